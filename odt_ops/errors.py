@@ -1,0 +1,61 @@
+"""One exception hierarchy for the engine.
+
+Every error names the thing at fault (file, node, op, input, parameter) and, where
+there is one, the fix. Callers catch ``OdtError``; nothing below it leaks numpy
+or protobuf exceptions to users.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class OdtError(Exception):
+    """Base of every error the engine raises on bad input."""
+
+
+class ModelLoadError(OdtError):
+    """The model file or bytes cannot be read as an ONNX model."""
+
+
+class ModelCheckError(OdtError):
+    """The model is readable but not a valid ONNX model (onnx.checker, shapes, names)."""
+
+
+class UnsupportedOpError(OdtError):
+    """The model uses ops the engine has no kernel (or gradient rule) for.
+
+    ``missing`` maps (domain, op_type, opset) to the names of the nodes using it, so
+    one error lists everything that is missing, not just the first miss.
+    """
+
+    def __init__(self, missing: dict[tuple[str, str, int], list[str]], what: str = "kernel"):
+        self.missing = dict(missing)
+        self.what = what
+        lines = [
+            f"  {domain or 'ai.onnx'}::{op} (opset {opset}) used by {len(nodes)} node(s): "
+            + ", ".join(nodes[:5])
+            + (", ..." if len(nodes) > 5 else "")
+            for (domain, op, opset), nodes in sorted(self.missing.items())
+        ]
+        super().__init__(
+            f"{len(self.missing)} op type(s) have no {what} in odt_ops:\n" + "\n".join(lines)
+            + "\nReplace these ops in the exported model or add them to odt_ops."
+        )
+
+
+class InputError(OdtError):
+    """Run-time feeds do not match the model's inputs (name, dtype or shape)."""
+
+
+class KernelError(OdtError):
+    """A kernel failed on the values it was given; names the node and the input shapes."""
+
+
+def describe_arrays(values: Iterable[object]) -> str:
+    """Short 'float32[2,3], None' rendering of kernel inputs for error messages."""
+    parts = []
+    for v in values:
+        shape = getattr(v, "shape", None)
+        dtype = getattr(v, "dtype", None)
+        parts.append("None" if v is None else f"{dtype}[{','.join(map(str, shape))}]" if shape is not None else type(v).__name__)
+    return ", ".join(parts)

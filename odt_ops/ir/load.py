@@ -1,0 +1,116 @@
+"""Load any forward ONNX model and normalize it once.
+
+Normalization: check, convert to the engine's opset, fold constant subgraphs into
+initializers, give inputs a symbolic batch dimension, make node names unique, infer
+shapes, and verify every op has a kernel, so that a model that loads also runs.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from odt_ops.errors import ModelCheckError, ModelLoadError, UnsupportedOpError
+from odt_ops.ir import passes
+from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model, default_opset
+
+ModelSource = onnx.ModelProto | str | os.PathLike | bytes | Model
+
+
+def read_model(source: ModelSource) -> Model:
+    """Read a ModelProto, a path or serialized bytes, without normalizing it."""
+    if isinstance(source, Model):
+        return source
+    if isinstance(source, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(source)
+        return Model(proto)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return Model(_parse(bytes(source), "<bytes>"))
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such model file")
+        # external data stays on disk and is memory-mapped later, never held twice
+        proto = _parse(path.read_bytes(), str(path))
+        return Model(proto, base_dir=str(path.parent.resolve()), source=str(path))
+    raise ModelLoadError(f"cannot load a model from {type(source).__name__}; pass a ModelProto, a path or bytes")
+
+
+def _parse(data: bytes, source: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: not a readable ONNX model (truncated or corrupted?): {exc}") from None
+    if not proto.HasField("graph") or not proto.opset_import:
+        raise ModelLoadError(f"{source}: not an ONNX model (no graph or no opset import)")
+    return proto
+
+
+def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, batch_dim: str | None = "batch") -> Model:
+    """Read and normalize a model; the result passes onnx.checker's full check.
+
+    ``target_opset=None`` keeps the model's own opset (the spec's node tests run this
+    way); otherwise models are converted to it. A newer model that onnx's converter
+    cannot lower keeps its opset, since kernels are registered per opset version.
+    """
+    model = read_model(source)
+    _check(model, full=False)
+    if target_opset is not None and model.opset != target_opset:
+        _convert(model, target_opset)
+    for p in (passes.inline_constant_nodes, passes.fold_constants, passes.unique_node_names):
+        p(model)
+    if batch_dim:
+        passes.symbolic_batch_dim(model, batch_dim)
+    passes.infer_shapes(model)
+    passes.fold_constants(model)  # Shape of now-known static shapes
+    passes.prune_unused(model)
+    model.proto.ir_version = min(max(model.proto.ir_version, 3), ir_version_for(model.opset))
+    _check(model, full=True)
+    passes.require_kernels(model)
+    return model
+
+
+def ir_version_for(opset: int) -> int:
+    """The IR version onnx pairs with ``opset``, capped at what current runtimes load."""
+    try:
+        ir = onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid("", opset)], ignore_unknown=True)
+    except Exception:
+        ir = TARGET_IR_VERSION
+    return max(ir, TARGET_IR_VERSION) if opset >= TARGET_OPSET else ir
+
+
+def _check(model: Model, *, full: bool) -> None:
+    try:
+        onnx.checker.check_model(model.proto, full_check=full)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ModelCheckError(f"{model.source}: fails onnx.checker: {exc}") from None
+
+
+def _convert(model: Model, target: int) -> None:
+    current = model.opset
+    try:
+        converted = onnx.version_converter.convert_version(model.proto, target)
+    except Exception as exc:
+        if current > target:
+            return  # newer than our target and not lowerable: run it at its own opset
+        raise ModelCheckError(
+            f"{model.source}: converting opset {current} to {target} failed: {str(exc)[:300]}; "
+            f"re-export the model at opset {target}"
+        ) from None
+    model.proto = converted
+    model.forget_arrays()
+
+
+def save_model(model: Model | onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write atomically (temp file, fsync, rename) so a crash never leaves half a model."""
+    from odt_ops.io import atomic_write_bytes
+
+    proto = model.proto if isinstance(model, Model) else model
+    atomic_write_bytes(path, proto.SerializeToString())
+
+
+__all__ = ["ModelSource", "UnsupportedOpError", "default_opset", "load_model", "read_model", "save_model"]

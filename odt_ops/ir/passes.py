@@ -1,0 +1,204 @@
+"""Named graph passes over a Model; each returns whether it changed anything."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError
+from odt_ops.ir.attributes import node_attributes
+from odt_ops.ir.model import Model
+
+# folding these would freeze a random draw or a training-time behaviour into a weight
+NOT_FOLDABLE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+
+
+def initializers_not_inputs(model: Model) -> bool:
+    """Old IR versions list initializers as graph inputs too; make them plain constants."""
+    names = {t.name for t in model.graph.initializer}
+    keep = [i for i in model.graph.input if i.name not in names]
+    if len(keep) == len(model.graph.input):
+        return False
+    del model.graph.input[:]
+    model.graph.input.extend(keep)
+    return True
+
+
+def inline_constant_nodes(model: Model) -> bool:
+    """Constant nodes become initializers (they are weights in all but name)."""
+    initializers_not_inputs(model)
+    graph = model.graph
+    keep, changed = [], False
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            from odt_ops.kernels.shape import constant
+
+            (value,) = constant(**node_attributes(node))
+            graph.initializer.append(numpy_helper.from_array(np.asarray(value), node.output[0]))
+            changed = True
+        else:
+            keep.append(node)
+    if changed:
+        _replace_nodes(model, keep)
+    return changed
+
+
+def fold_constants(model: Model) -> bool:
+    """Evaluate every node whose inputs are all constant (ConstantOfShape weights,
+    Shape arithmetic, ...) and store its outputs as initializers."""
+    from odt_ops.runtime.plan import bind_node
+
+    graph = model.graph
+    const = dict(model.initializer_arrays())
+    static_shapes = _static_shapes(graph)
+    keep, added = [], []
+    outputs = {o.name for o in graph.output}
+    for node in graph.node:
+        value = None
+        if node.op_type in NOT_FOLDABLE or node.domain not in ("", "ai.onnx"):
+            keep.append(node)
+            continue
+        if node.op_type in ("Shape", "Size") and node.input[0] not in const and node.input[0] in static_shapes:
+            shape = static_shapes[node.input[0]]
+            if node.op_type == "Size":
+                value = (np.array(int(np.prod(shape)), dtype=np.int64),)
+            else:
+                attrs = node_attributes(node)
+                value = (np.array(shape, dtype=np.int64)[attrs.get("start", 0) : attrs.get("end", None)],)
+        elif node.input and all(n == "" or n in const for n in node.input):
+            try:
+                fn = bind_node(node, model.opset)
+                value = fn(*[const[n] if n else None for n in node.input])
+            except (OdtError, ArithmeticError, ValueError, TypeError, IndexError):
+                value = None  # leave it to run time, where errors name the node
+        if value is None:
+            keep.append(node)
+            continue
+        for name, v in zip(node.output, value):
+            if name:
+                const[name] = np.asarray(v)
+                added.append(name)
+    if not added:
+        return False
+    used = {n for node in keep for n in node.input} | outputs
+    for name in added:
+        if name in used:
+            graph.initializer.append(numpy_helper.from_array(const[name], name))
+    _replace_nodes(model, keep)
+    prune_unused(model)
+    return True
+
+
+def unique_node_names(model: Model) -> bool:
+    """Every node gets a name, unique in the graph (errors and gradients refer to them)."""
+    seen: set[str] = set()
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        name = node.name or f"{node.op_type}_{i}"
+        while name in seen:
+            name = f"{name}_{i}"
+        if name != node.name:
+            node.name = name
+            changed = True
+        seen.add(name)
+    produced: set[str] = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
+    for node in model.graph.node:
+        for out in node.output:
+            if out and out in produced:
+                raise ModelCheckError(f"{model.source}: value {out!r} is produced twice (node {node.name!r}); values must be unique")
+            produced.add(out)
+    return changed
+
+
+def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
+    """Give every data input of rank >= 2 a symbolic first dimension, so one model
+    serves every batch size; output shapes are then re-inferred."""
+    changed = False
+    for value in model.graph.input:
+        tt = value.type.tensor_type
+        if not tt.HasField("shape") or len(tt.shape.dim) < 2:
+            continue
+        dim = tt.shape.dim[0]
+        if dim.dim_param != name:
+            dim.Clear()
+            dim.dim_param = name
+            changed = True
+    if changed:
+        del model.graph.value_info[:]
+        for out in model.graph.output:
+            tt = out.type.tensor_type
+            if tt.HasField("shape") and len(tt.shape.dim):
+                tt.shape.dim[0].Clear()
+                tt.shape.dim[0].dim_param = name
+    return changed
+
+
+def infer_shapes(model: Model) -> bool:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model.proto, check_type=True, strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        raise ModelCheckError(f"{model.source}: shape inference failed: {exc}") from None
+    model.proto = inferred
+    return True
+
+
+def prune_unused(model: Model) -> bool:
+    """Drop nodes and initializers that no graph output depends on."""
+    graph = model.graph
+    needed = {o.name for o in graph.output}
+    live = []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output):
+            live.append(node)
+            needed.update(node.input)
+    live.reverse()
+    inits = [t for t in graph.initializer if t.name in needed]
+    changed = len(live) != len(graph.node) or len(inits) != len(graph.initializer)
+    if changed:
+        _replace_nodes(model, live)
+        del graph.initializer[:]
+        graph.initializer.extend(inits)
+        model.forget_arrays()
+    return changed
+
+
+def require_kernels(model: Model) -> bool:
+    """Reject, in one error, every op that has no kernel (before anything runs)."""
+    from odt_ops.runtime.plan import missing_kernels
+
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.proto.opset_import}
+    missing = missing_kernels(model.graph.node, opsets)
+    if missing:
+        raise UnsupportedOpError(missing)
+    return False
+
+
+def _replace_nodes(model: Model, nodes: list[onnx.NodeProto]) -> None:
+    kept = [onnx.NodeProto() for _ in nodes]
+    for dst, src in zip(kept, nodes):
+        dst.CopyFrom(src)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    model.forget_arrays()
+
+
+def _static_shapes(graph: onnx.GraphProto) -> dict[str, list[int]]:
+    shapes = {}
+    for v in (*graph.input, *graph.value_info, *graph.output):
+        tt = v.type.tensor_type
+        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+            shapes[v.name] = [d.dim_value for d in tt.shape.dim]
+    return shapes
+
+
+__all__ = [
+    "KernelError",
+    "fold_constants",
+    "infer_shapes",
+    "initializers_not_inputs",
+    "inline_constant_nodes",
+    "prune_unused",
+    "require_kernels",
+    "symbolic_batch_dim",
+    "unique_node_names",
+]

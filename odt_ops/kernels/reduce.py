@@ -1,0 +1,6 @@
+"""Kernels: reduce."""
+from __future__ import annotations
+
+import numpy as np
+
+from odt_ops.kernels.registry import kernel

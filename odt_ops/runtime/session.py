@@ -1,0 +1,91 @@
+"""InferenceSession: run a (normalized) forward model, with onnxruntime's calling convention."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from odt_ops.errors import InputError
+from odt_ops.ir.load import ModelSource, load_model
+from odt_ops.ir.model import Model
+from odt_ops.runtime.plan import Plan
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """Name, dtype and shape of a graph input or output (None or str for symbolic dims)."""
+
+    name: str
+    dtype: np.dtype | None
+    shape: tuple[int | str | None, ...] | None
+
+    @classmethod
+    def of(cls, value: onnx.ValueInfoProto) -> "ValueSpec":
+        tt = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
+        shape = None
+        if tt.HasField("shape"):
+            shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        return cls(value.name, dtype, shape)
+
+    def check(self, value: object) -> np.ndarray:
+        """The feed as an array, or InputError naming the input and what was expected."""
+        if not isinstance(value, np.ndarray):
+            value = np.asarray(value)
+        if self.dtype is not None and value.dtype != self.dtype:
+            raise InputError(f"input {self.name!r}: expected dtype {self.dtype}, got {value.dtype}; cast it with .astype(np.{self.dtype})")
+        if self.shape is not None:
+            if value.ndim != len(self.shape):
+                raise InputError(f"input {self.name!r}: expected shape {_fmt(self.shape)} (rank {len(self.shape)}), got {tuple(value.shape)}")
+            for want, got in zip(self.shape, value.shape):
+                if isinstance(want, int) and want != got:
+                    raise InputError(f"input {self.name!r}: expected shape {_fmt(self.shape)}, got {tuple(value.shape)}")
+        return value
+
+
+def _fmt(shape: Sequence[object]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+class InferenceSession:
+    """``InferenceSession(model).run(output_names, {input: array})`` as with onnxruntime."""
+
+    def __init__(self, model: ModelSource, *, seed: int = 0, normalize: bool = True):
+        self.model: Model = load_model(model) if normalize else load_model(model, target_opset=None, batch_dim=None)
+        graph = self.model.graph
+        self.inputs = [ValueSpec.of(v) for v in graph.input]
+        self.outputs = [ValueSpec.of(v) for v in graph.output]
+        opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in self.model.proto.opset_import}
+        self._rng = np.random.default_rng(seed)
+        self._plan = Plan(
+            graph,
+            opsets,
+            self.model.initializer_arrays(),
+            [v.name for v in self.inputs],
+            [v.name for v in self.outputs],
+            rng=self._rng,
+        )
+
+    def input_names(self) -> list[str]:
+        return [v.name for v in self.inputs]
+
+    def output_names(self) -> list[str]:
+        return [v.name for v in self.outputs]
+
+    def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, object]) -> list[np.ndarray]:
+        unknown = set(feeds) - {v.name for v in self.inputs}
+        if unknown:
+            raise InputError(f"unknown input(s) {sorted(unknown)}; the model's inputs are {self.input_names()}")
+        missing = [v.name for v in self.inputs if v.name not in feeds]
+        if missing:
+            raise InputError(f"missing input(s) {missing}; the model's inputs are {self.input_names()}")
+        results = self._plan.run([spec.check(feeds[spec.name]) for spec in self.inputs])
+        if output_names is None:
+            return results
+        index = {n: i for i, n in enumerate(self.output_names())}
+        bad = [n for n in output_names if n not in index]
+        if bad:
+            raise InputError(f"unknown output(s) {bad}; the model's outputs are {self.output_names()}")
+        return [results[index[n]] for n in output_names]
