@@ -1,0 +1,175 @@
+"""Loading and normalizing: sources, opsets, folding, batch dim, external data, bad input."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import odt_ops
+from odt_ops.errors import InputError, KernelError, ModelCheckError, ModelLoadError, UnsupportedOpError
+
+RNG = np.random.default_rng(0)
+
+
+def mlp(opset: int, batch: int = 2) -> onnx.ModelProto:
+    """x[batch,4] -> MatMul -> Add -> Relu -> MatMul -> Add -> Softmax, at ``opset``."""
+    w1 = numpy_helper.from_array(RNG.standard_normal((4, 8)).astype(np.float32), "w1")
+    b1 = numpy_helper.from_array(RNG.standard_normal(8).astype(np.float32), "b1")
+    w2 = numpy_helper.from_array(RNG.standard_normal((8, 3)).astype(np.float32), "w2")
+    b2 = numpy_helper.from_array(RNG.standard_normal(3).astype(np.float32), "b2")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Relu", ["h1"], ["h2"]),
+        helper.make_node("MatMul", ["h2", "w2"], ["h3"]),
+        helper.make_node("Add", ["h3", "b2"], ["h4"]),
+        helper.make_node("Softmax", ["h4"], ["y"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 3])], [w1, b1, w2, b2],
+    )
+    ir = 3 if opset < 9 else onnx.helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir)
+
+
+@pytest.mark.parametrize("opset", [7, 9, 11, 13, 17, 21, 24, onnx.defs.onnx_opset_version()])
+def test_every_opset_loads_and_matches_reference(opset):
+    proto = mlp(opset)
+    model = odt_ops.load_model(proto)
+    onnx.checker.check_model(model.proto, full_check=True)
+    x = RNG.standard_normal((5, 4)).astype(np.float32)  # batch 5: the batch dim is symbolic now
+    (got,) = odt_ops.InferenceSession(model).run(None, {"x": x})
+    (want,) = ReferenceEvaluator(mlp(opset, batch=5)).run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_normalized_model_runs_on_onnxruntime():
+    model = odt_ops.load_model(mlp(9))
+    assert model.opset == odt_ops.TARGET_OPSET
+    assert model.proto.ir_version <= 10
+    sess = ort.InferenceSession(model.proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], odt_ops.InferenceSession(model).run(None, {"x": x})[0], rtol=1e-5)
+
+
+def test_sources_path_bytes_and_proto_agree(tmp_path):
+    proto = mlp(13)
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path)
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    outs = [odt_ops.InferenceSession(src).run(None, {"x": x})[0] for src in (proto, str(path), path, proto.SerializeToString())]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
+def test_constant_subgraphs_become_initializers():
+    # a weight made by ConstantOfShape from a Shape of a constant, scaled by a Constant
+    nodes = [
+        helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(np.array([4, 3], np.int64))),
+        helper.make_node("ConstantOfShape", ["shape"], ["ones"], value=numpy_helper.from_array(np.array([0.5], np.float32))),
+        helper.make_node("Shape", ["ones"], ["s"]),
+        helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["sf"], ["total"], keepdims=0),
+        helper.make_node("Mul", ["ones", "total"], ["w"]),
+        helper.make_node("MatMul", ["x", "w"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = odt_ops.load_model(proto)
+    assert [n.op_type for n in model.graph.node] == ["MatMul"]
+    (w,) = [numpy_helper.to_array(t) for t in model.graph.initializer]
+    np.testing.assert_array_equal(w, np.full((4, 3), 3.5, np.float32))
+
+
+def test_symbolic_batch_and_unique_names():
+    proto = mlp(17, batch=1)
+    for node in proto.graph.node:
+        node.name = "same"
+    model = odt_ops.load_model(proto)
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    names = [n.name for n in model.graph.node]
+    assert len(set(names)) == len(names)
+    y = odt_ops.InferenceSession(model).run(None, {"x": np.ones((7, 4), np.float32)})[0]
+    assert y.shape == (7, 3)
+
+
+def test_external_data_is_memory_mapped(tmp_path):
+    proto = mlp(17)
+    onnx.save(proto, tmp_path / "big.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="big.data", size_threshold=0)
+    model = odt_ops.load_model(tmp_path / "big.onnx")
+    arrays = model.initializer_arrays()
+    assert all(isinstance(a, np.memmap) for a in arrays.values())
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(odt_ops.InferenceSession(model).run(None, {"x": x})[0],
+                               ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_missing_external_data_names_the_file(tmp_path):
+    proto = mlp(17)
+    onnx.save(proto, tmp_path / "big.onnx", save_as_external_data=True, location="big.data", size_threshold=0)
+    (tmp_path / "big.data").unlink()
+    with pytest.raises(ModelLoadError, match="big.data"):
+        odt_ops.load_model(tmp_path / "big.onnx").initializer_arrays()
+
+
+def test_truncated_and_garbage_files_name_the_file(tmp_path):
+    data = mlp(17).SerializeToString()
+    bad = tmp_path / "truncated.onnx"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated.onnx"):
+        odt_ops.load_model(bad)
+    with pytest.raises(ModelLoadError, match="no such model file"):
+        odt_ops.load_model(tmp_path / "absent.onnx")
+    with pytest.raises(ModelLoadError):
+        odt_ops.load_model(b"\x00not onnx at all\xff" * 10)
+
+
+def test_model_failing_the_checker_is_rejected():
+    proto = mlp(17)
+    proto.graph.node[0].input[1] = "nonexistent"
+    with pytest.raises(ModelCheckError, match="nonexistent"):
+        odt_ops.load_model(proto)
+
+
+def test_unsupported_ops_are_listed_all_at_once():
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("MyOp", ["a"], ["b"], domain="my.domain", name="custom1"),
+        helper.make_node("MyOp", ["b"], ["c"], domain="my.domain", name="custom2"),
+        helper.make_node("Other", ["c"], ["y"], domain="my.domain", name="other1"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.domain", 1)])
+    with pytest.raises(UnsupportedOpError) as info:
+        odt_ops.load_model(proto)
+    assert set(info.value.missing) == {("my.domain", "MyOp", 1), ("my.domain", "Other", 1)}
+    assert "custom1" in str(info.value) and "custom2" in str(info.value) and "other1" in str(info.value)
+
+
+def test_run_time_feeds_are_checked():
+    sess = odt_ops.InferenceSession(mlp(17))
+    with pytest.raises(InputError, match="missing input"):
+        sess.run(None, {})
+    with pytest.raises(InputError, match="unknown input"):
+        sess.run(None, {"x": np.ones((1, 4), np.float32), "z": 1})
+    with pytest.raises(InputError, match="dtype float32"):
+        sess.run(None, {"x": np.ones((1, 4), np.float64)})
+    with pytest.raises(InputError, match=r"expected shape \[batch, 4\]"):
+        sess.run(None, {"x": np.ones((1, 5), np.float32)})
+
+
+def test_kernel_failure_names_the_node():
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"], name="the_reshape")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]),
+                                           helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    sess = odt_ops.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    with pytest.raises(KernelError, match="the_reshape"):
+        sess.run(None, {"x": np.ones(5, np.float32), "shape": np.array([2, 2], np.int64)})

@@ -1,0 +1,40 @@
+"""The onnx wheel's nine zoo networks load, normalize and run, matching onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import odt_ops
+from tests.odt_ops.zoo import ZOO_MODELS, randomize_weights, zoo_path
+
+
+def test_all_nine_zoo_models_are_found():
+    assert len(ZOO_MODELS) == 9, ZOO_MODELS
+
+
+def _ort_run(proto: onnx.ModelProto, feeds):
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("weights", ["shipped", "random"])
+@pytest.mark.parametrize("name", ZOO_MODELS)
+def test_zoo_model_matches_onnxruntime(name, weights):
+    model = odt_ops.load_model(zoo_path(name))
+    assert not any(n.op_type in ("Constant", "ConstantOfShape") for n in model.graph.node)
+    proto = model.proto if weights == "shipped" else randomize_weights(model.proto, seed=hash(name) % 1000)
+    sess = odt_ops.InferenceSession(proto)
+    spec = sess.inputs[0]
+    x = np.random.default_rng(1).standard_normal([1 if not isinstance(d, int) else d for d in spec.shape]).astype(np.float32)
+    got = sess.run(None, {spec.name: x})
+    want = _ort_run(proto, {spec.name: x})
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        scale = float(np.max(np.abs(w)))
+        assert float(np.max(np.abs(g - w))) <= 1e-4 * scale, f"max error {np.max(np.abs(g - w))} vs scale {scale}"
+        if weights == "random":
+            assert float(np.std(w)) > 0, "randomized weights must give non-uniform outputs"
