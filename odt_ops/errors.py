@@ -59,3 +59,15 @@ def describe_arrays(values: Iterable[object]) -> str:
         dtype = getattr(v, "dtype", None)
         parts.append("None" if v is None else f"{dtype}[{','.join(map(str, shape))}]" if shape is not None else type(v).__name__)
     return ", ".join(parts)
+
+
+class CheckpointError(OdtError):
+    """A checkpoint file is unreadable, corrupted, from a newer format, or does not fit the model."""
+
+
+class ArtifactError(OdtError):
+    """Training artifacts cannot be generated or do not fit together."""
+
+
+class GradientError(OdtError):
+    """A gradient graph cannot be built (a rule is missing or a shape is unknown)."""
