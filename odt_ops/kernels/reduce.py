@@ -1,6 +1,388 @@
-"""Kernels: reduce."""
+"""Kernels: reduce (Reduce*, ArgMax/ArgMin, CumSum, TopK) and the softmax family."""
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from odt_ops.kernels.registry import kernel
+
+Axes = tuple[int, ...] | None  # None: every axis
+
+
+# ---------------------------------------------------------------------------- axes
+
+
+def _normalize_axes(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
+    out = []
+    for a in axes:
+        a = int(a)
+        if not -max(ndim, 1) <= a < max(ndim, 1):
+            raise ValueError(f"axis {a} is out of range for a tensor of rank {ndim}")
+        out.append(a % ndim if ndim else 0)
+    if len(set(out)) != len(out):
+        raise ValueError(f"axes {list(axes)} name the same axis twice")
+    return tuple(out)
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    return _normalize_axes([axis], ndim)[0]
+
+
+def _attribute_axes(data: np.ndarray, axes: Sequence[int] | None) -> Axes:
+    """Axes of the attribute forms (before opset 13/18): absent or empty means all."""
+    return _normalize_axes(axes, data.ndim) if axes else None
+
+
+def _input_axes(data: np.ndarray, axes: np.ndarray | None, noop_with_empty_axes: int) -> Axes:
+    """Axes of the input forms: absent or empty means all, or none with noop_with_empty_axes."""
+    if axes is None or axes.size == 0:
+        return () if noop_with_empty_axes else None
+    return _normalize_axes(axes.ravel().tolist(), data.ndim)
+
+
+# ---------------------------------------------------------------------------- reducers
+# Each reducer maps (data, axes, keepdims) to an array; _reduce restores the input dtype.
+
+
+def _accumulator(dtype: np.dtype) -> np.dtype:
+    # half-precision sums lose too much when accumulated in half precision
+    half = (dtype.kind == "f" and dtype.itemsize < 4) or dtype.kind == "V"  # "V": ml_dtypes' bfloat16
+    return np.dtype(np.float32) if half else dtype
+
+
+def _sum(data, axes, keepdims):
+    return np.sum(data, axis=axes, keepdims=keepdims, dtype=_accumulator(data.dtype))
+
+
+def _mean(data, axes, keepdims):
+    count = data.size if axes is None else int(np.prod([data.shape[a] for a in axes]))
+    total = _sum(data, axes, keepdims)
+    if total.dtype.kind == "f":
+        return total / total.dtype.type(count)  # stays float32; 0/0 gives NaN for an empty set
+    return total / count  # integer mean truncates toward zero when cast back
+
+
+def _lowest(dtype: np.dtype):
+    if dtype.kind == "b":
+        return False
+    if dtype.kind in "iu":
+        return np.iinfo(dtype).min
+    return -np.inf
+
+
+def _highest(dtype: np.dtype):
+    if dtype.kind == "b":
+        return True
+    if dtype.kind in "iu":
+        return np.iinfo(dtype).max
+    return np.inf
+
+
+def _max(data, axes, keepdims):
+    # initial= gives the spec's empty-set value (-inf, or the type's minimum)
+    return np.max(data, axis=axes, keepdims=keepdims, initial=_lowest(data.dtype))
+
+
+def _min(data, axes, keepdims):
+    return np.min(data, axis=axes, keepdims=keepdims, initial=_highest(data.dtype))
+
+
+def _prod(data, axes, keepdims):
+    return np.prod(data, axis=axes, keepdims=keepdims, dtype=_accumulator(data.dtype))
+
+
+def _l1(data, axes, keepdims):
+    return _sum(np.abs(data), axes, keepdims)
+
+
+def _sum_square(data, axes, keepdims):
+    return _sum(np.square(data), axes, keepdims)
+
+
+def _l2(data, axes, keepdims):
+    return np.sqrt(_sum_square(data, axes, keepdims))
+
+
+def _log_sum(data, axes, keepdims):
+    return np.log(_sum(data, axes, keepdims))
+
+
+def _log_sum_exp(data, axes, keepdims):
+    if data.dtype.kind != "f":
+        data = data.astype(np.float64)
+    # shift by the max for stability; an all -inf (or empty) slice shifts by 0
+    shift = np.max(data, axis=axes, keepdims=True, initial=-np.inf)
+    shift[~np.isfinite(shift)] = 0
+    tmp = data - shift
+    np.exp(tmp, out=tmp)
+    out = np.log(_sum(tmp, axes, True))
+    out += shift.astype(out.dtype, copy=False)
+    return out if keepdims else np.squeeze(out, axis=axes)
+
+
+def _reduce(reducer: Callable, data: np.ndarray, axes: Axes, keepdims: int) -> tuple[np.ndarray]:
+    out = np.asarray(reducer(data, axes, bool(keepdims)))
+    return (out.astype(data.dtype, copy=False),)
+
+
+# ---------------------------------------------------------------------------- Reduce* ops
+# Before opset 13 (ReduceSum) / 18 (the others) axes is an attribute; afterwards an input.
+
+
+@kernel("ReduceSum", since=1)
+def reduce_sum_1(data, *, axes=None, keepdims=1):
+    return _reduce(_sum, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceSum", since=13)
+def reduce_sum(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_sum, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceMean", since=1)
+def reduce_mean_1(data, *, axes=None, keepdims=1):
+    return _reduce(_mean, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceMean", since=18)
+def reduce_mean(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_mean, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceMax", since=1)
+def reduce_max_1(data, *, axes=None, keepdims=1):
+    return _reduce(_max, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceMax", since=18)
+def reduce_max(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_max, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceMin", since=1)
+def reduce_min_1(data, *, axes=None, keepdims=1):
+    return _reduce(_min, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceMin", since=18)
+def reduce_min(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_min, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceProd", since=1)
+def reduce_prod_1(data, *, axes=None, keepdims=1):
+    return _reduce(_prod, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceProd", since=18)
+def reduce_prod(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_prod, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceL1", since=1)
+def reduce_l1_1(data, *, axes=None, keepdims=1):
+    return _reduce(_l1, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceL1", since=18)
+def reduce_l1(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_l1, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceL2", since=1)
+def reduce_l2_1(data, *, axes=None, keepdims=1):
+    return _reduce(_l2, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceL2", since=18)
+def reduce_l2(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_l2, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceLogSum", since=1)
+def reduce_log_sum_1(data, *, axes=None, keepdims=1):
+    return _reduce(_log_sum, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceLogSum", since=18)
+def reduce_log_sum(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_log_sum, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceLogSumExp", since=1)
+def reduce_log_sum_exp_1(data, *, axes=None, keepdims=1):
+    return _reduce(_log_sum_exp, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceLogSumExp", since=18)
+def reduce_log_sum_exp(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_log_sum_exp, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+@kernel("ReduceSumSquare", since=1)
+def reduce_sum_square_1(data, *, axes=None, keepdims=1):
+    return _reduce(_sum_square, data, _attribute_axes(data, axes), keepdims)
+
+
+@kernel("ReduceSumSquare", since=18)
+def reduce_sum_square(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    return _reduce(_sum_square, data, _input_axes(data, axes, noop_with_empty_axes), keepdims)
+
+
+# ---------------------------------------------------------------------------- ArgMax / ArgMin
+
+
+def _arg_reduce(fn: Callable, data: np.ndarray, axis: int, keepdims: int, select_last_index: int) -> tuple[np.ndarray]:
+    axis = _normalize_axis(axis, data.ndim)
+    if not select_last_index:
+        return (fn(data, axis=axis, keepdims=bool(keepdims)).astype(np.int64, copy=False),)
+    # numpy returns the first extreme; on the reversed view that is the last one
+    last = fn(np.flip(data, axis), axis=axis, keepdims=bool(keepdims))
+    return ((data.shape[axis] - 1 - last).astype(np.int64, copy=False),)
+
+
+@kernel("ArgMax", since=1)
+def arg_max(data, *, axis=0, keepdims=1, select_last_index=0):
+    return _arg_reduce(np.argmax, data, axis, keepdims, select_last_index)
+
+
+@kernel("ArgMin", since=1)
+def arg_min(data, *, axis=0, keepdims=1, select_last_index=0):
+    return _arg_reduce(np.argmin, data, axis, keepdims, select_last_index)
+
+
+# ---------------------------------------------------------------------------- CumSum
+
+
+def _scalar_int(value: np.ndarray, what: str) -> int:
+    value = np.asarray(value)
+    if value.size != 1 or value.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be a single integer, got {value.dtype} of shape {value.shape}")
+    return int(value.reshape(()))
+
+
+@kernel("CumSum", since=11)
+def cum_sum(x, axis, *, exclusive=0, reverse=0):
+    ax = _normalize_axis(_scalar_int(axis, "CumSum's axis"), x.ndim)
+    out = np.empty_like(x)
+    src, dst = (np.flip(x, ax), np.flip(out, ax)) if reverse else (x, out)
+    if exclusive:
+        # the running sum of x[:-1], written one step further along
+        head = [slice(None)] * x.ndim
+        head[ax] = slice(0, 1)
+        dst[tuple(head)] = 0
+        head[ax] = slice(1, None)
+        body = [slice(None)] * x.ndim
+        body[ax] = slice(0, -1)
+        src, dst = src[tuple(body)], dst[tuple(head)]
+    np.cumsum(src, axis=ax, dtype=x.dtype, out=dst)
+    return (out,)
+
+
+# ---------------------------------------------------------------------------- TopK
+
+
+def _top_k(X: np.ndarray, k: int, axis: int, largest: int) -> tuple[np.ndarray, np.ndarray]:
+    axis = _normalize_axis(axis, X.ndim)
+    n = X.shape[axis]
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k} is outside [0, {n}] for axis {axis} of shape {X.shape}")
+    along = (slice(None),) * axis
+    if largest:
+        # a stable ascending sort of the reversed axis, read backwards, is descending
+        # with ties in ascending original index (the spec's tie order), for any dtype
+        order = np.argsort(np.flip(X, axis), axis=axis, kind="stable")
+        idx = (n - 1) - np.flip(order[along + (slice(n - k, None),)], axis)
+    else:
+        idx = np.argsort(X, axis=axis, kind="stable")[along + (slice(0, k),)]
+    idx = idx.astype(np.int64, copy=False)
+    return np.take_along_axis(X, idx, axis=axis), idx
+
+
+@kernel("TopK", since=1)
+def top_k_1(X, *, axis=-1, k=None):
+    if k is None:
+        raise ValueError("TopK (opset 1) needs the attribute k")
+    return _top_k(X, int(k), axis, 1)
+
+
+@kernel("TopK", since=10)
+def top_k_10(X, K, *, axis=-1):
+    return _top_k(X, _scalar_int(K, "TopK's K"), axis, 1)
+
+
+@kernel("TopK", since=11)
+def top_k(X, K, *, axis=-1, largest=1, sorted=1):  # noqa: A002 - the spec's name
+    # unsorted output order is undefined by the spec: sorted is a valid answer
+    return _top_k(X, _scalar_int(K, "TopK's K"), axis, largest)
+
+
+# ---------------------------------------------------------------------------- softmax family
+# Opset 13 normalizes along one axis. Before it the input is coerced to 2-D at axis:
+# [a_0 * ... * a_{axis-1}, a_axis * ... * a_{n-1}], and the second dimension is normalized.
+
+
+def _shifted(x: np.ndarray, axis: int) -> np.ndarray:
+    """x minus its max along axis: a fresh array the caller may overwrite."""
+    return np.subtract(x, np.max(x, axis=axis, keepdims=True))
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    out = _shifted(x, axis)
+    np.exp(out, out=out)
+    out /= np.sum(out, axis=axis, keepdims=True)
+    return out
+
+
+def log_softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
+    out = _shifted(x, axis)
+    out -= np.log(np.sum(np.exp(out), axis=axis, keepdims=True))
+    return out
+
+
+def _hardmax(x: np.ndarray, axis: int) -> np.ndarray:
+    out = np.zeros_like(x)
+    first = np.expand_dims(np.argmax(x, axis=axis), axis)
+    np.put_along_axis(out, first, 1, axis=axis)
+    return out
+
+
+def _per_axis(fn: Callable, x: np.ndarray, axis: int) -> tuple[np.ndarray]:
+    return (fn(x, _normalize_axis(axis, x.ndim)),)
+
+
+def _coerced_2d(fn: Callable, x: np.ndarray, axis: int) -> tuple[np.ndarray]:
+    axis = _normalize_axis(axis, x.ndim) if x.ndim else 0
+    rows = int(np.prod(x.shape[:axis]))
+    return (fn(x.reshape(rows, -1), 1).reshape(x.shape),)
+
+
+@kernel("Softmax", since=1)
+def softmax_1(input, *, axis=1):  # noqa: A002 - the spec's name
+    return _coerced_2d(_softmax, input, axis)
+
+
+@kernel("Softmax", since=13)
+def softmax(input, *, axis=-1):  # noqa: A002
+    return _per_axis(_softmax, input, axis)
+
+
+@kernel("LogSoftmax", since=1)
+def log_softmax_1(input, *, axis=1):  # noqa: A002
+    return _coerced_2d(log_softmax_along, input, axis)
+
+
+@kernel("LogSoftmax", since=13)
+def log_softmax(input, *, axis=-1):  # noqa: A002
+    return _per_axis(log_softmax_along, input, axis)
+
+
+@kernel("Hardmax", since=1)
+def hardmax_1(input, *, axis=1):  # noqa: A002
+    return _coerced_2d(_hardmax, input, axis)
+
+
+@kernel("Hardmax", since=13)
+def hardmax(input, *, axis=-1):  # noqa: A002
+    return _per_axis(_hardmax, input, axis)
