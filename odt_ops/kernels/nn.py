@@ -1,6 +1,492 @@
-"""Kernels: nn."""
+"""Kernels: nn (normalizations, LRN, Dropout, Resize, DepthToSpace/SpaceToDepth, Pad)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import onnx
 
 from odt_ops.kernels.registry import kernel
+
+# ---------------------------------------------------------------------------- shared helpers
+
+
+def _axis(axis: int, ndim: int, what: str = "axis") -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{what} {axis} is out of range for a tensor of rank {ndim}")
+    return axis % ndim
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype arithmetic runs in: half precisions (and integers) go through float32."""
+    if dtype.kind == "f" and dtype.itemsize >= 4:
+        return dtype
+    return np.dtype(np.float32)
+
+
+def _channel_shape(ndim: int) -> tuple[int, ...]:
+    """Broadcast shape of a per-channel (axis 1) parameter against an N x C x ... tensor."""
+    return (1, -1) + (1,) * (ndim - 2)
+
+
+def _standardize(x: np.ndarray, axes: tuple[int, ...], epsilon: float):
+    """(x - mean) / sqrt(var + epsilon) over ``axes``, with the mean, population variance and 1/std."""
+    mean = x.mean(axis=axes, keepdims=True)
+    d = x - mean
+    var = np.mean(np.square(d), axis=axes, keepdims=True)
+    inv_std = np.reciprocal(np.sqrt(var + x.dtype.type(epsilon)))
+    d *= inv_std  # d is ours: normalize in place
+    return d, mean, var, inv_std
+
+
+def _stash_dtype(stash_type: int) -> np.dtype:
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(stash_type))
+    except (KeyError, ValueError, TypeError):
+        dtype = None
+    if dtype is None or dtype.kind not in "fV":
+        raise ValueError(f"stash_type {stash_type} is not a floating-point TensorProto type")
+    return dtype
+
+
+# ---------------------------------------------------------------------------- BatchNormalization
+
+
+def _batch_norm(X, scale, B, mean, var, *, epsilon, momentum, training, spatial=1):
+    """(Y, running_mean, running_var, batch_mean, batch_var); the stats are None in inference."""
+    if X.ndim < 2:  # an (N,) input has one channel
+        reduce_axes, pshape = (0,), (1,)
+    elif spatial:
+        reduce_axes, pshape = (0, *range(2, X.ndim)), _channel_shape(X.ndim)
+    else:  # deprecated non-spatial form: one statistic per (C, D1, ..., Dn) element
+        reduce_axes, pshape = (0,), (1, *X.shape[1:])
+    ct = _compute_dtype(X.dtype)
+    x = X.astype(ct, copy=False)
+    s = scale.astype(ct, copy=False).reshape(pshape)
+    b = B.astype(ct, copy=False).reshape(pshape)
+    if not training:
+        # fold the per-channel affine so the big tensor is touched twice only
+        a = s / np.sqrt(var.astype(ct, copy=False).reshape(pshape) + ct.type(epsilon))
+        y = x * a
+        y += b - mean.astype(ct, copy=False).reshape(pshape) * a
+        return y.astype(X.dtype, copy=False), None, None, None, None
+    y, bmean, bvar, _ = _standardize(x, reduce_axes, epsilon)
+    y *= s
+    y += b
+    stat = mean.dtype
+    m = stat.type(momentum)
+    one_minus = stat.type(1.0 - momentum)
+    bmean = bmean.reshape(mean.shape).astype(stat, copy=False)
+    bvar = bvar.reshape(var.shape).astype(stat, copy=False)
+    return y.astype(X.dtype, copy=False), mean * m + bmean * one_minus, var * m + bvar * one_minus, bmean, bvar
+
+
+@kernel("BatchNormalization", since=7)
+def batch_normalization_7(X, scale, B, mean, var, *, epsilon=1e-5, momentum=0.9, spatial=1, _num_outputs=1):
+    # before opset 14, asking for the optional outputs is what selects training mode
+    return _batch_norm(X, scale, B, mean, var, epsilon=epsilon, momentum=momentum,
+                       training=_num_outputs > 1, spatial=spatial)
+
+
+@kernel("BatchNormalization", since=9)
+def batch_normalization_9(X, scale, B, mean, var, *, epsilon=1e-5, momentum=0.9, _num_outputs=1):
+    # outputs: Y, running mean, running var, batch mean, batch (population) variance
+    return _batch_norm(X, scale, B, mean, var, epsilon=epsilon, momentum=momentum, training=_num_outputs > 1)
+
+
+@kernel("BatchNormalization", since=14)
+def batch_normalization(X, scale, B, input_mean, input_var, *, epsilon=1e-5, momentum=0.9, training_mode=0,
+                        _num_outputs=1):
+    if not training_mode and _num_outputs > 1:
+        raise ValueError("running_mean/running_var outputs are only defined with training_mode=1")
+    out = _batch_norm(X, scale, B, input_mean, input_var, epsilon=epsilon, momentum=momentum,
+                      training=bool(training_mode))
+    return out[:3] if training_mode else out[:1]
+
+
+# ---------------------------------------------------------------------------- Layer/Instance/Group norm
+
+
+@kernel("LayerNormalization", since=17)
+def layer_normalization(X, Scale, B=None, *, axis=-1, epsilon=1e-5, stash_type=1):
+    axis = _axis(axis, X.ndim)
+    x = X.astype(_stash_dtype(stash_type), copy=False)
+    normalized, mean, _, inv_std = _standardize(x, tuple(range(axis, X.ndim)), epsilon)
+    y = normalized.astype(X.dtype, copy=False) * Scale
+    if B is not None:
+        y += B
+    return y.astype(X.dtype, copy=False), mean, inv_std
+
+
+@kernel("InstanceNormalization", since=6)
+def instance_normalization(input, scale, B, *, epsilon=1e-5):
+    ct = _compute_dtype(input.dtype)
+    pshape = _channel_shape(input.ndim)
+    y = _standardize(input.astype(ct, copy=False), tuple(range(2, input.ndim)), epsilon)[0]
+    y *= scale.astype(ct, copy=False).reshape(pshape)
+    y += B.astype(ct, copy=False).reshape(pshape)
+    return (y.astype(input.dtype, copy=False),)
+
+
+def _group_norm(X, scale, bias, num_groups, epsilon, stash, per_group):
+    if num_groups is None:
+        raise ValueError("GroupNormalization needs the num_groups attribute")
+    n, c = X.shape[:2]
+    if num_groups <= 0 or c % num_groups:
+        raise ValueError(f"num_groups={num_groups} does not divide the {c} channels")
+    grouped = X.astype(stash, copy=False).reshape(n, num_groups, -1)
+    normalized = _standardize(grouped, (2,), epsilon)[0].reshape(X.shape).astype(X.dtype, copy=False)
+    if per_group:  # opset 18: one scale/bias per group, shared by its channels
+        scale, bias = np.repeat(scale, c // num_groups), np.repeat(bias, c // num_groups)
+    pshape = _channel_shape(X.ndim)
+    y = normalized * scale.reshape(pshape)
+    y += bias.reshape(pshape)
+    return (y.astype(X.dtype, copy=False),)
+
+
+@kernel("GroupNormalization", since=18)
+def group_normalization_18(X, scale, bias, *, num_groups=None, epsilon=1e-5):
+    return _group_norm(X, scale, bias, num_groups, epsilon, _compute_dtype(X.dtype), per_group=True)
+
+
+@kernel("GroupNormalization", since=21)
+def group_normalization(X, scale, bias, *, num_groups=None, epsilon=1e-5, stash_type=1):
+    return _group_norm(X, scale, bias, num_groups, epsilon, _stash_dtype(stash_type), per_group=False)
+
+
+# ---------------------------------------------------------------------------- LRN
+
+
+@kernel("LRN", since=1)
+def lrn(X, *, size=None, alpha=1e-4, beta=0.75, bias=1.0):
+    if size is None or size < 1:
+        raise ValueError(f"LRN needs a positive size attribute, got {size}")
+    ct = _compute_dtype(X.dtype)
+    x = X.astype(ct, copy=False)
+    c = X.shape[1]
+    lo = (size - 1) // 2  # channels before c in the window; ceil((size-1)/2) after it
+    padded = np.zeros((X.shape[0], c + size - 1, *X.shape[2:]), dtype=ct)
+    np.square(x, out=padded[:, lo:lo + c])
+    # the window is a handful of channels: sum shifted views rather than elements
+    square_sum = padded[:, 0:c].copy()
+    for k in range(1, size):
+        square_sum += padded[:, k:k + c]
+    square_sum *= ct.type(alpha / size)
+    square_sum += ct.type(bias)
+    return ((x / np.power(square_sum, ct.type(beta))).astype(X.dtype, copy=False),)
+
+
+# ---------------------------------------------------------------------------- Dropout
+
+
+def _dropout(data, ratio, training, rng, want_mask, mask_dtype=np.bool_):
+    ratio = float(ratio)
+    if not training or ratio == 0.0:
+        return (data, np.ones(data.shape, dtype=mask_dtype)) if want_mask else (data,)
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"Dropout ratio must be in [0, 1), got {ratio}")
+    keep = rng.random(data.shape, dtype=np.float32) >= np.float32(ratio)
+    out = data * data.dtype.type(1.0 / (1.0 - ratio))
+    out *= keep
+    return out, keep
+
+
+@kernel("Dropout", since=7)
+def dropout_7(data, *, ratio=0.5, _num_outputs=1):
+    # no training switch exists before opset 12: the op is the test-mode identity
+    return _dropout(data, ratio, False, None, _num_outputs > 1, mask_dtype=data.dtype)
+
+
+@kernel("Dropout", since=10)
+def dropout_10(data, *, ratio=0.5, _num_outputs=1):
+    return _dropout(data, ratio, False, None, _num_outputs > 1)
+
+
+@kernel("Dropout", since=12)
+def dropout(data, ratio=None, training_mode=None, *, seed=None, _num_outputs=1, _rng=None):
+    # `seed` is accepted but the session's generator governs every draw (one seed per session)
+    training = training_mode is not None and bool(training_mode)
+    return _dropout(data, 0.5 if ratio is None else ratio, training, _rng, _num_outputs > 1)
+
+
+# ---------------------------------------------------------------------------- Resize
+
+_NEAREST_ROUNDING = {
+    "round_prefer_floor": lambda x, scale: np.ceil(x - 0.5),
+    "round_prefer_ceil": lambda x, scale: np.floor(x + 0.5),
+    "floor": lambda x, scale: np.floor(x),
+    "ceil": lambda x, scale: np.ceil(x),
+    # Resize-10 (as onnxruntime runs it): truncate when upsampling, round up when downsampling
+    "_opset10": lambda x, scale: np.ceil(x) if scale < 1 else np.floor(x),
+}
+_COORDINATE_MODES = frozenset({"half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners",
+                               "asymmetric", "tf_crop_and_resize", "tf_half_pixel_for_nn"})
+
+
+def _source_coords(mode, out_len, in_len, scale, roi):
+    """Input coordinate each output index samples (float64), and which ones fall outside (crop mode)."""
+    y = np.arange(out_len, dtype=np.float64)
+    # the spec's reference divides by the fractional output length in align_corners / crop modes
+    out_f = scale * in_len
+    if mode == "half_pixel":
+        return (y + 0.5) / scale - 0.5, None
+    if mode == "half_pixel_symmetric":
+        offset = in_len / 2 * (1 - out_len / out_f)
+        return offset + (y + 0.5) / scale - 0.5, None
+    if mode == "pytorch_half_pixel":
+        return ((y + 0.5) / scale - 0.5 if out_len > 1 else np.zeros_like(y)), None
+    if mode == "align_corners":
+        return (y * (in_len - 1) / (out_f - 1) if out_f != 1 else np.zeros_like(y)), None
+    if mode == "asymmetric":
+        return y / scale, None
+    if mode == "tf_half_pixel_for_nn":
+        return (y + 0.5) / scale, None
+    start, end = roi
+    if out_f != 1:
+        x = start * (in_len - 1) + y * (end - start) * (in_len - 1) / (out_f - 1)
+    else:
+        x = np.full_like(y, 0.5 * (start + end) * (in_len - 1))
+    return x, (x < 0) | (x > in_len - 1)
+
+
+def _keys_cubic(t, a):
+    t = np.abs(t)
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+
+
+def _interpolation_taps(x, in_len, scale, mode, cubic_coeff_a, antialias, exclude_outside):
+    """(indices, weights), each (out_len, taps): output i = sum_k weights[i, k] * input[indices[i, k]]."""
+    s = min(scale, 1.0) if antialias else 1.0  # antialiasing stretches the filter when downscaling
+    support = 1.0 if mode == "linear" else 2.0
+    first = math.floor(-support / s) + 1
+    offsets = np.arange(first, 1 - first + 1)
+    left = np.ceil(x) - 1  # left neighbour, so the fraction lies in (0, 1] as in the reference
+    t = s * (offsets[None, :] - (x - left)[:, None])
+    weights = np.maximum(1 - np.abs(t), 0.0) if mode == "linear" else _keys_cubic(t, cubic_coeff_a)
+    if antialias:
+        weights /= weights.sum(axis=1, keepdims=True)
+    idx = left.astype(np.int64)[:, None] + offsets[None, :]
+    if exclude_outside:
+        weights = np.where((idx < 0) | (idx >= in_len), 0.0, weights)
+        total = weights.sum(axis=1, keepdims=True)
+        weights /= np.where(total == 0, 1.0, total)
+    return np.clip(idx, 0, in_len - 1), weights
+
+
+def _resize_axis(x, axis, out_len, scale, roi, attrs):
+    in_len = x.shape[axis]
+    coords, outside = _source_coords(attrs["coordinate_transformation_mode"], out_len, in_len, scale, roi)
+    if outside is None or not outside.any():
+        outside = None
+        if out_len == in_len and np.array_equal(coords, np.arange(in_len)):
+            return x  # samples land exactly on the input: nothing to do on this axis
+    bshape = [1] * x.ndim
+    bshape[axis] = out_len
+    if attrs["mode"] == "nearest":
+        idx = _NEAREST_ROUNDING[attrs["nearest_mode"]](coords, scale)
+        y = np.take(x, np.clip(idx, 0, in_len - 1).astype(np.intp), axis=axis)
+    else:
+        idx, w = _interpolation_taps(coords, in_len, scale, attrs["mode"], attrs["cubic_coeff_a"],
+                                     attrs["antialias"], attrs["exclude_outside"])
+        w = w.astype(x.dtype)
+        # a few taps per output: accumulate shifted gathers instead of looping over elements
+        y = np.take(x, idx[:, 0], axis=axis)
+        y *= w[:, 0].reshape(bshape)
+        for k in range(1, idx.shape[1]):
+            tap = np.take(x, idx[:, k], axis=axis)
+            tap *= w[:, k].reshape(bshape)
+            y += tap
+    if outside is not None:
+        y = np.where(outside.reshape(bshape), x.dtype.type(attrs["extrapolation_value"]), y)
+    return y
+
+
+def _output_plan(X, scales, sizes, axes, policy):
+    """Per resized axis: (axis, output length, scale used by the coordinate transform)."""
+    in_sizes = [X.shape[a] for a in axes]
+    have_scales = scales is not None and scales.size > 0
+    have_sizes = sizes is not None and sizes.size > 0
+    if have_scales == have_sizes:
+        raise ValueError("Resize needs exactly one of the scales and sizes inputs")
+    if have_scales:
+        scales = [float(s) for s in np.asarray(scales, dtype=np.float64).ravel()]
+        if len(scales) != len(axes):
+            raise ValueError(f"scales has {len(scales)} values for {len(axes)} resized axes")
+        if min(scales) <= 0:
+            raise ValueError(f"scales must be positive, got {scales}")
+        return [(a, int(math.floor(s * n)), s) for a, s, n in zip(axes, scales, in_sizes)]
+    sizes = [int(s) for s in np.asarray(sizes).ravel()]
+    if len(sizes) != len(axes):
+        raise ValueError(f"sizes has {len(sizes)} values for {len(axes)} resized axes")
+    if min(sizes) <= 0:
+        raise ValueError(f"sizes must be positive, got {sizes}")
+    ratios = [s / n for s, n in zip(sizes, in_sizes)]
+    if policy == "stretch":
+        return [(a, s, r) for a, s, r in zip(axes, sizes, ratios)]
+    if policy not in ("not_larger", "not_smaller"):
+        raise ValueError(f"unknown keep_aspect_ratio_policy {policy!r}")
+    r = min(ratios) if policy == "not_larger" else max(ratios)
+    return [(a, int(r * n + 0.5), r) for a, n in zip(axes, in_sizes)]  # round half up
+
+
+def _resize(X, roi, scales, sizes, *, mode, coordinate_transformation_mode, nearest_mode="round_prefer_floor",
+            cubic_coeff_a=-0.75, exclude_outside=0, extrapolation_value=0.0, antialias=0, axes=None,
+            keep_aspect_ratio_policy="stretch"):
+    if mode not in ("nearest", "linear", "cubic"):
+        raise ValueError(f"unknown Resize mode {mode!r}")
+    if coordinate_transformation_mode not in _COORDINATE_MODES:
+        raise ValueError(f"unknown coordinate_transformation_mode {coordinate_transformation_mode!r}")
+    if nearest_mode not in _NEAREST_ROUNDING:
+        raise ValueError(f"unknown nearest_mode {nearest_mode!r}")
+    axes = list(range(X.ndim)) if axes is None else [_axis(a, X.ndim, "Resize axis") for a in axes]
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"Resize axes {axes} repeat an axis")
+    plan = _output_plan(X, scales, sizes, axes, keep_aspect_ratio_policy)
+    rois = [None] * len(axes)
+    if coordinate_transformation_mode == "tf_crop_and_resize":
+        if roi is None or roi.size != 2 * len(axes):
+            raise ValueError(f"tf_crop_and_resize needs roi with {2 * len(axes)} values")
+        flat = np.asarray(roi, dtype=np.float64).ravel()
+        rois = list(zip(flat[:len(axes)], flat[len(axes):]))
+    attrs = dict(mode=mode, coordinate_transformation_mode=coordinate_transformation_mode,
+                 nearest_mode=nearest_mode, cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside,
+                 extrapolation_value=extrapolation_value, antialias=antialias)
+    interpolating = mode != "nearest"
+    y = X.astype(_compute_dtype(X.dtype), copy=False) if interpolating else X
+    for (axis, out_len, scale), axis_roi in zip(plan, rois):
+        y = _resize_axis(y, axis, out_len, scale, axis_roi, attrs)
+    if interpolating and X.dtype.kind in "iu":
+        info = np.iinfo(X.dtype)
+        y = np.clip(np.rint(y), info.min, info.max)
+    return (y.astype(X.dtype, copy=False),)
+
+
+@kernel("Resize", since=10)
+def resize_10(X, scales, *, mode="nearest"):
+    if mode not in ("nearest", "linear"):
+        raise ValueError(f"Resize-10 supports nearest and linear modes, not {mode!r}")
+    return _resize(X, None, scales, None, mode=mode, coordinate_transformation_mode="asymmetric",
+                   nearest_mode="_opset10")
+
+
+@kernel("Resize", since=11)
+def resize_11(X, roi=None, scales=None, sizes=None, *, mode="nearest", coordinate_transformation_mode="half_pixel",
+              nearest_mode="round_prefer_floor", cubic_coeff_a=-0.75, exclude_outside=0, extrapolation_value=0.0):
+    return _resize(X, roi, scales, sizes, mode=mode, coordinate_transformation_mode=coordinate_transformation_mode,
+                   nearest_mode=nearest_mode, cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside,
+                   extrapolation_value=extrapolation_value)
+
+
+@kernel("Resize", since=18)
+def resize(X, roi=None, scales=None, sizes=None, *, mode="nearest", coordinate_transformation_mode="half_pixel",
+           nearest_mode="round_prefer_floor", cubic_coeff_a=-0.75, exclude_outside=0, extrapolation_value=0.0,
+           antialias=0, axes=None, keep_aspect_ratio_policy="stretch"):
+    if coordinate_transformation_mode == "tf_half_pixel_for_nn":
+        raise ValueError("coordinate_transformation_mode tf_half_pixel_for_nn was removed in opset 13")
+    return _resize(X, roi, scales, sizes, mode=mode, coordinate_transformation_mode=coordinate_transformation_mode,
+                   nearest_mode=nearest_mode, cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside,
+                   extrapolation_value=extrapolation_value, antialias=antialias, axes=axes,
+                   keep_aspect_ratio_policy=keep_aspect_ratio_policy)
+
+
+# ---------------------------------------------------------------------------- DepthToSpace / SpaceToDepth
+
+# transposes from the split layout to the output layout, per (op, mode)
+_D2S_PERM = {"DCR": (0, 3, 4, 1, 5, 2), "CRD": (0, 1, 4, 2, 5, 3)}
+_S2D_PERM = {"DCR": (0, 3, 5, 1, 2, 4), "CRD": (0, 1, 3, 5, 2, 4)}
+
+
+def _check_block(x, blocksize, mode, perms):
+    if x.ndim != 4:
+        raise ValueError(f"expects a 4-D N x C x H x W input, got shape {x.shape}")
+    if blocksize is None or blocksize < 1:
+        raise ValueError(f"blocksize must be a positive integer, got {blocksize}")
+    if mode not in perms:
+        raise ValueError(f"mode must be DCR or CRD, got {mode!r}")
+
+
+def _depth_to_space(x, blocksize, mode):
+    _check_block(x, blocksize, mode, _D2S_PERM)
+    n, c, h, w = x.shape
+    bs = blocksize
+    if c % (bs * bs):
+        raise ValueError(f"{c} channels are not divisible by blocksize^2 = {bs * bs}")
+    split = (n, bs, bs, c // (bs * bs), h, w) if mode == "DCR" else (n, c // (bs * bs), bs, bs, h, w)
+    return (x.reshape(split).transpose(_D2S_PERM[mode]).reshape(n, c // (bs * bs), h * bs, w * bs),)
+
+
+def _space_to_depth(x, blocksize, mode):
+    _check_block(x, blocksize, mode, _S2D_PERM)
+    n, c, h, w = x.shape
+    bs = blocksize
+    if h % bs or w % bs:
+        raise ValueError(f"spatial dims {h} x {w} are not divisible by blocksize {bs}")
+    split = x.reshape(n, c, h // bs, bs, w // bs, bs)
+    return (split.transpose(_S2D_PERM[mode]).reshape(n, c * bs * bs, h // bs, w // bs),)
+
+
+@kernel("DepthToSpace", since=1)
+def depth_to_space_1(input, *, blocksize=None):
+    return _depth_to_space(input, blocksize, "DCR")
+
+
+@kernel("DepthToSpace", since=11)
+def depth_to_space(input, *, blocksize=None, mode="DCR"):
+    return _depth_to_space(input, blocksize, mode)
+
+
+@kernel("SpaceToDepth", since=1)
+def space_to_depth_1(input, *, blocksize=None):
+    return _space_to_depth(input, blocksize, "DCR")
+
+
+@kernel("SpaceToDepth", since=28)
+def space_to_depth(input, *, blocksize=None, mode="DCR"):
+    return _space_to_depth(input, blocksize, mode)
+
+
+# ---------------------------------------------------------------------------- Pad
+
+_PAD_MODES = frozenset({"constant", "reflect", "edge", "wrap"})
+
+
+def _pad(data, pads, mode, value, axes=None):
+    if mode not in _PAD_MODES:
+        raise ValueError(f"unknown Pad mode {mode!r}; expected one of {sorted(_PAD_MODES)}")
+    r = data.ndim
+    axes = list(range(r)) if axes is None else [_axis(int(a), r, "Pad axis") for a in axes]
+    pads = [int(p) for p in pads]
+    if len(pads) != 2 * len(axes):
+        raise ValueError(f"pads has {len(pads)} values; {2 * len(axes)} expected for {len(axes)} axes")
+    begin, end = [0] * r, [0] * r
+    for i, a in enumerate(axes):
+        begin[a], end[a] = pads[i], pads[len(axes) + i]
+    # negative pads remove elements: crop (a view) first, then pad what remains
+    x = data[tuple(slice(max(-b, 0), n - max(-e, 0)) for b, e, n in zip(begin, end, data.shape))]
+    widths = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    if not any(b or e for b, e in widths):
+        return (x,)
+    if mode != "constant":
+        return (np.pad(x, widths, mode=mode),)
+    shape = tuple(n + b + e for n, (b, e) in zip(x.shape, widths))
+    if value is None:
+        value = "" if data.dtype.kind in "OSU" else 0
+    out = np.full(shape, value, dtype=data.dtype)
+    out[tuple(slice(b, b + n) for n, (b, _) in zip(x.shape, widths))] = x
+    return (out,)
+
+
+@kernel("Pad", since=2)
+def pad_2(data, *, pads=None, mode="constant", value=0.0):
+    if pads is None:
+        raise ValueError("Pad needs the pads attribute")
+    return _pad(data, pads, mode, value)
+
+
+@kernel("Pad", since=11)
+def pad(data, pads, constant_value=None, axes=None, *, mode="constant"):
+    # axes (opset 18+) is a trailing optional input, so one kernel serves opsets 11..25
+    value = None if constant_value is None or constant_value.size == 0 else constant_value.reshape(-1)[0]
+    return _pad(data, pads.ravel(), mode, value, None if axes is None else axes.ravel().tolist())
