@@ -100,7 +100,8 @@ def range_(start, limit, delta, *, stash_type=1):
     s, lim, d = (np.asarray(v).astype(work).item() for v in (start, limit, delta))
     if d == 0:
         raise ValueError("Range delta must not be zero")
-    count = max(math.ceil((lim - s) / d), 0)
+    # integer ranges count exactly: ceil(a / b) == -(-a // b) for either sign of b
+    count = max(-((s - lim) // d) if dtype.kind in "iu" else math.ceil((lim - s) / d), 0)
     return ((np.asarray(s, dtype=work) + np.arange(count, dtype=work) * np.asarray(d, dtype=work)).astype(dtype),)
 
 
@@ -135,9 +136,6 @@ def _reshape(data: np.ndarray, shape: list[int], allowzero: int) -> np.ndarray:
         raise ValueError(f"Reshape shape {shape} has both 0 (with allowzero=1) and -1")
     if sum(d == -1 for d in shape) > 1 or any(d < -1 for d in shape):
         raise ValueError(f"Reshape shape {shape} is invalid (at most one -1, no other negative dims)")
-    if -1 in shape and data.size == 0:
-        # numpy cannot infer -1 of an empty array; the other dims are nonzero here
-        shape = [0 if d == -1 else d for d in shape]
     return data.reshape(shape)
 
 
@@ -377,8 +375,8 @@ def gather_nd(data, indices, *, batch_dims=0):
     batch = math.prod(data.shape[:b])
     per_batch = math.prod(indices.shape[b:-1])
     flat_idx = indices.reshape(batch, per_batch, k)
-    # one fancy index over (batch, k coordinates); batch rows broadcast over the tuples
-    rows = np.arange(batch).reshape(batch, 1)
+    # one fancy index over (batch, k coordinates); the batch row is repeated for every tuple
+    rows = np.broadcast_to(np.arange(batch).reshape(batch, 1), (batch, per_batch))
     picked = data.reshape(batch, *data.shape[b:])[(rows, *(flat_idx[..., j] for j in range(k)))]
     return (picked.reshape(*indices.shape[:-1], *data.shape[b + k:]),)
 
@@ -435,7 +433,8 @@ def _one_hot(indices, depth, values, axis: int, negative: bool) -> np.ndarray:
     if values.size != 2:
         raise ValueError(f"OneHot values must be [off_value, on_value], got {values.size} elements")
     axis = _axis(axis, indices.ndim, extra=1)
-    idx = indices.astype(np.int64)
+    # widen integers so idx + depth cannot overflow; a float index must be integral to match
+    idx = indices.astype(np.int64) if indices.dtype.kind in "biu" else indices
     if negative:
         idx = np.where(idx < 0, idx + depth, idx)
     # compare against the class index laid along `axis`; out-of-range indices match nothing
