@@ -17,9 +17,9 @@ def _normalize_axes(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
     out = []
     for a in axes:
         a = int(a)
-        if not -max(ndim, 1) <= a < max(ndim, 1):
+        if not -ndim <= a < ndim:
             raise ValueError(f"axis {a} is out of range for a tensor of rank {ndim}")
-        out.append(a % ndim if ndim else 0)
+        out.append(a % ndim)
     if len(set(out)) != len(out):
         raise ValueError(f"axes {list(axes)} name the same axis twice")
     return tuple(out)
@@ -325,7 +325,8 @@ def top_k(X, K, *, axis=-1, largest=1, sorted=1):  # noqa: A002 - the spec's nam
 
 def _shifted(x: np.ndarray, axis: int) -> np.ndarray:
     """x minus its max along axis: a fresh array the caller may overwrite."""
-    return np.subtract(x, np.max(x, axis=axis, keepdims=True))
+    # initial= lets an empty axis through (the result is empty anyway)
+    return np.subtract(x, np.max(x, axis=axis, keepdims=True, initial=-np.inf))
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
@@ -353,7 +354,8 @@ def _per_axis(fn: Callable, x: np.ndarray, axis: int) -> tuple[np.ndarray]:
 
 
 def _coerced_2d(fn: Callable, x: np.ndarray, axis: int) -> tuple[np.ndarray]:
-    axis = _normalize_axis(axis, x.ndim) if x.ndim else 0
+    if axis != x.ndim:  # axis == rank is allowed: a single column
+        axis = _normalize_axis(axis, x.ndim)
     rows = int(np.prod(x.shape[:axis]))
     return (fn(x.reshape(rows, -1), 1).reshape(x.shape),)
 
