@@ -16,7 +16,10 @@ REDUCTIONS = ("none", "sum", "mean")
 def _class_index(X: np.ndarray, labels: np.ndarray, ignore_index: int | None) -> tuple[np.ndarray, np.ndarray | None]:
     """Labels safe to index with (ignored ones point at class 0) and the mask of counted positions."""
     if X.ndim < 2 or labels.shape != (X.shape[0], *X.shape[2:]):
-        raise ValueError(f"labels of shape {labels.shape} do not match scores of shape {X.shape} (want (N, d1, ..., dk) for (N, C, d1, ..., dk))")
+        raise ValueError(
+            f"labels of shape {labels.shape} do not match scores of shape {X.shape} "
+            "(labels are (N, d1, ..., dk) for scores (N, C, d1, ..., dk))"
+        )
     keep = None
     if ignore_index is not None:
         keep = labels != ignore_index
