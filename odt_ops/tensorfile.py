@@ -1,0 +1,97 @@
+"""The container behind checkpoints and model differences: tensors plus a JSON manifest.
+
+An uncompressed zip (numpy's .npz layout) whose members are plain .npy arrays named
+t0, t1, ... and ``manifest.json``. Safe to load from an untrusted source: no pickle
+(object arrays are refused on write and on read), every member is CRC-checked on
+load in constant memory, and tensors are memory-mapped straight out of the file, so
+loading never holds every tensor in memory at once. Writes are atomic.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from odt_ops.errors import OdtError
+from odt_ops.io import atomic_writer
+
+MANIFEST = "manifest.json"
+
+
+def write_tensor_file(path: str | os.PathLike, fmt: str, version: int, header: dict[str, Any],
+                      tensors: Iterable[tuple[dict[str, Any], np.ndarray]], error: type[OdtError]) -> None:
+    """Write tensors (each with its manifest entry) and ``header`` to ``path`` atomically."""
+    entries = []
+    with atomic_writer(path) as out, zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for i, (entry, array) in enumerate(tensors):
+            array = np.asarray(array)
+            if array.dtype.hasobject:
+                raise error(f"{path}: tensor {entry.get('name')!r} has dtype object; only numeric arrays are stored")
+            key = f"t{i}"
+            with zf.open(f"{key}.npy", "w", force_zip64=array.nbytes > 2**31) as f:
+                np.lib.format.write_array(f, np.ascontiguousarray(array), allow_pickle=False)
+            entries.append({"key": key, "shape": list(array.shape), "dtype": array.dtype.str, **entry})
+        manifest = {"format": fmt, "format_version": version, **header, "tensors": entries}
+        zf.writestr(MANIFEST, json.dumps(manifest, indent=1))
+
+
+def read_tensor_file(path: str | os.PathLike, fmt: str, version: int, error: type[OdtError], what: str) -> tuple[dict, list[tuple[dict, np.ndarray]]]:
+    """The manifest and (entry, memory-mapped array) pairs of a file written above."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: no such {what} file")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()  # streams every member through its CRC, in constant memory
+            if bad is not None:
+                raise error(f"{path}: member {bad} is corrupted (CRC mismatch); the {what} cannot be trusted")
+            manifest = json.loads(zf.read(MANIFEST))
+            infos = {i.filename: i for i in zf.infolist()}
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError, struct.error) as exc:
+        raise error(f"{path}: not a readable ODT {what} (truncated or corrupted?): {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise error(f"{path}: not an ODT {what} (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    found = manifest.get("format_version")
+    if not isinstance(found, int) or found > version:
+        raise error(f"{path}: {what} format version {found} is newer than this odt_ops reads ({version}); upgrade odt")
+    tensors = []
+    for entry in manifest.get("tensors", []):
+        info = infos.get(f"{entry.get('key')}.npy")
+        if info is None:
+            raise error(f"{path}: tensor {entry.get('name')!r} is listed but missing from the file")
+        tensors.append((entry, _map_member(path, info, entry, error)))
+    return manifest, tensors
+
+
+def _map_member(path: Path, info: zipfile.ZipInfo, entry: dict, error: type[OdtError]) -> np.ndarray:
+    """Memory-map one stored .npy member: its bytes sit uncompressed inside the zip."""
+    name = entry.get("name")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise error(f"{path}: tensor {name!r} is compressed; ODT files store tensors uncompressed")
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+        if local[:4] != b"PK\x03\x04":
+            raise error(f"{path}: tensor {name!r}: bad zip local header")
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+        except ValueError as exc:
+            raise error(f"{path}: tensor {name!r}: bad array header: {exc}") from None
+        offset = f.tell()
+    if dtype.hasobject:
+        raise error(f"{path}: tensor {name!r} holds Python objects; refusing to load it (no pickle)")
+    if list(shape) != list(entry.get("shape", [])) or dtype != np.dtype(entry.get("dtype")):
+        raise error(f"{path}: tensor {name!r}: stored {dtype}{list(shape)} disagrees with the manifest")
+    if int(np.prod(shape)) == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape), order="F" if fortran else "C")
