@@ -57,7 +57,7 @@ def test_nominal_checkpoint_has_specs_only(tmp_path):
     assert back.spec("fc.weight") == ((3, 4), np.dtype(np.float32))
     assert back.parameters["fc.weight"].size == 0
     assert back.spec("big") == ((100, 100), np.dtype(np.float32))
-    assert (tmp_path / "nominal").stat().st_size < (tmp_path / "full").stat().st_size - 40000
+    assert (tmp_path / "nominal").stat().st_size < (tmp_path / "full").stat().st_size / 4
 
 
 def test_truncated_file_is_refused_with_its_name(tmp_path):
