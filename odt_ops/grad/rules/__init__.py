@@ -1,0 +1,2 @@
+"""Gradient rules, one module per op family (mirroring odt_ops.kernels); importing registers them."""
+from odt_ops.grad.rules import elementwise, linalg, loss, nn, reduce, shape  # noqa: F401
