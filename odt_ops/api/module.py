@@ -1,0 +1,215 @@
+"""Module: train and eval steps over the training artifacts, as in onnxruntime.training.api.
+
+Parameters live in contiguous buffers (one per dtype) that the CheckpointState's
+arrays are views into, so a step never copies parameters, the optimizer updates the
+whole buffer in one pass, and get_contiguous_parameters is a slice. Gradients
+accumulate the same way until lazy_reset_grad().
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+
+from odt_ops import meta
+from odt_ops.api.checkpoint_state import CheckpointState
+from odt_ops.checkpoint import check_matches
+from odt_ops.errors import CheckpointError, InputError, OdtError
+from odt_ops.ir.load import read_model
+from odt_ops.runtime.plan import Plan
+from odt_ops.runtime.session import ValueSpec
+
+RNG_PROPERTY = "odt.rng_state"  # Dropout's generator, saved so a resumed run draws the same masks
+
+
+class TrainingDivergedError(OdtError):
+    """The loss became NaN or infinite; parameters and gradients were left untouched."""
+
+
+class FlatBuffers:
+    """Named arrays laid out back to back in one buffer per dtype."""
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], np.dtype]]):
+        self.names = list(specs)
+        self.specs = specs
+        self.buffers: dict[np.dtype, np.ndarray] = {}
+        self.views: dict[str, np.ndarray] = {}
+        sizes: dict[np.dtype, int] = {}
+        for shape, dtype in specs.values():
+            sizes[np.dtype(dtype)] = sizes.get(np.dtype(dtype), 0) + int(np.prod(shape, dtype=np.int64))
+        for dtype, size in sizes.items():
+            self.buffers[dtype] = np.zeros(size, dtype)
+        offsets = dict.fromkeys(self.buffers, 0)
+        for name, (shape, dtype) in specs.items():
+            dtype = np.dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64))
+            self.views[name] = self.buffers[dtype][offsets[dtype] : offsets[dtype] + n].reshape(shape)
+            offsets[dtype] += n
+
+    def like(self) -> "FlatBuffers":
+        return FlatBuffers(self.specs)
+
+    def flat(self) -> np.ndarray:
+        """All values in name order, as one array (a copy when there are several dtypes)."""
+        if len(self.buffers) == 1:
+            return next(iter(self.buffers.values()))
+        return np.concatenate([self.views[n].ravel() for n in self.names]) if self.names else np.zeros(0, np.float32)
+
+    @property
+    def size(self) -> int:
+        return sum(b.size for b in self.buffers.values())
+
+
+class Module:
+    """``Module(training_model, state, eval_model)``: ``module(*inputs)`` runs a train step
+    (forward + backward, gradients accumulated) in train mode, an eval step in eval mode."""
+
+    def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu", *, seed: int = 0):
+        if device != "cpu":
+            raise InputError(f"device {device!r}: odt_ops runs on the CPU only")
+        self._state = state
+        # one generator for every random draw (Dropout masks), so a seed makes a run repeatable
+        self._rng = np.random.default_rng(seed)
+        train = read_model(train_model_uri)
+        self._info = meta.read(train.proto, train.source)
+        self._train = self._compile(train.proto, self._info, training=True)
+        self._eval = None
+        self._eval_proto = None
+        if eval_model_uri is not None:
+            ev = read_model(eval_model_uri)
+            self._eval_proto = ev.proto
+            self._eval_info = meta.read(ev.proto, ev.source)
+            self._eval = self._compile(ev.proto, self._eval_info, training=False)
+        self._bind(state, train.proto, train.source)
+        self.training = True
+        self._reset_grad = True
+
+    # ---- construction -------------------------------------------------------------------
+    def _compile(self, proto: onnx.ModelProto, info: meta.ArtifactInfo, *, training: bool):
+        graph = proto.graph
+        specs = {v.name: ValueSpec.of(v) for v in graph.input}
+        data_inputs = [*info.user_inputs, *info.labels]
+        outputs = [info.loss, *info.extra_outputs]
+        if training:
+            outputs += [info.gradients[p] for p in info.trainable if p in info.gradients] + list(info.buffer_updates.values())
+        opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
+        constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+        plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng)
+        return {"plan": plan, "inputs": [specs[n] for n in data_inputs], "n_outputs": 1 + len(info.extra_outputs),
+                "specs": specs}
+
+    def _bind(self, state: CheckpointState, proto: onnx.ModelProto, source: str) -> None:
+        info = self._info
+        specs = self._train["specs"]
+        expected = {n: (tuple(specs[n].shape), specs[n].dtype) for n in (*info.parameters, *info.buffers)}
+        check_matches(state._checkpoint, expected, f"{state._source} for {source}")
+        ckpt = state._checkpoint
+        wrong = [n for n in info.trainable if not ckpt.requires_grad.get(n, False)]
+        if wrong:
+            raise CheckpointError(f"{state._source}: {wrong} are trainable in the artifacts but frozen in the checkpoint")
+        self.params = FlatBuffers({n: expected[n] for n in info.trainable})
+        self.frozen = FlatBuffers({n: expected[n] for n in info.frozen})
+        self.grads = self.params.like()
+        self.buffers = {n: np.array(ckpt.buffers[n], dtype=expected[n][1]) for n in info.buffers}
+        for flat in (self.params, self.frozen):
+            for name, view in flat.views.items():
+                if not ckpt.nominal:
+                    np.copyto(view, ckpt.parameters[name])
+                ckpt.parameters[name] = view
+        for name, array in self.buffers.items():
+            ckpt.buffers[name] = array
+        state._grads = dict(self.grads.views)
+        state._module = self
+        if RNG_PROPERTY in ckpt.properties:
+            self._rng.bit_generator.state = json.loads(ckpt.properties[RNG_PROPERTY])
+        self._param_feeds = [ckpt.parameters[n] for n in info.parameters] + [self.buffers[n] for n in info.buffers]
+        self._grad_views = [self.grads.views[p] for p in info.trainable if p in info.gradients]
+        self._buffer_targets = [self.buffers[b] for b in info.buffer_updates]
+
+    def _sync_to_state(self) -> None:
+        """Record what lives outside the arrays (the generator) in the state."""
+        self._state._checkpoint.properties[RNG_PROPERTY] = json.dumps(self._rng.bit_generator.state)
+
+    # ---- onnxruntime's Module surface ------------------------------------------------------
+    def train(self, mode: bool = True) -> "Module":
+        self.training = mode
+        return self
+
+    def eval(self) -> "Module":
+        if self._eval is None:
+            raise InputError("this Module has no eval model; pass eval_model_uri to Module(...)")
+        self.training = False
+        return self
+
+    def __call__(self, *user_inputs):
+        step = self._train if self.training else self._eval
+        if step is None:
+            raise InputError("this Module has no eval model; pass eval_model_uri to Module(...)")
+        specs = step["inputs"]
+        if len(user_inputs) != len(specs):
+            raise InputError(f"expected {len(specs)} inputs ({[s.name for s in specs]}), got {len(user_inputs)}")
+        feeds = [spec.check(x) for spec, x in zip(specs, user_inputs)]
+        outs = step["plan"].run(feeds + self._param_feeds)
+        n = step["n_outputs"]
+        if self.training:
+            loss = outs[0]
+            if not np.all(np.isfinite(loss)):
+                raise TrainingDivergedError(
+                    f"the loss is {loss}; parameters and gradients were left as they were. Lower the learning rate, "
+                    "check the data for NaN or infinite values, or enable gradient clipping"
+                )
+            grads = outs[n : n + len(self._grad_views)]
+            if self._reset_grad:
+                for view, g in zip(self._grad_views, grads):
+                    np.copyto(view, g)
+                self._reset_grad = False
+            else:
+                for view, g in zip(self._grad_views, grads):
+                    view += g
+            for target, new in zip(self._buffer_targets, outs[n + len(self._grad_views) :]):
+                np.copyto(target, new)
+        return outs[0] if n == 1 else outs[:n]
+
+    def lazy_reset_grad(self) -> None:
+        """The next train step overwrites the gradients instead of adding to them."""
+        self._reset_grad = True
+
+    def input_names(self) -> list[str]:
+        step = self._train if self.training else self._eval
+        return [s.name for s in step["inputs"]]
+
+    def output_names(self) -> list[str]:
+        info = self._info if self.training else self._eval_info
+        return [info.loss, *info.extra_outputs]
+
+    def get_parameters_size(self, trainable_only: bool = True) -> int:
+        return self.params.size + (0 if trainable_only else self.frozen.size)
+
+    def get_contiguous_parameters(self, trainable_only: bool = False) -> np.ndarray:
+        """All parameters flattened (trainable first, then frozen), as a copy."""
+        parts = [self.params.flat()] + ([] if trainable_only else [self.frozen.flat()])
+        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+
+    def copy_buffer_to_parameters(self, buffer: np.ndarray, trainable_only: bool = True) -> None:
+        """Fill parameters from a flat buffer laid out as get_contiguous_parameters returns it."""
+        buffer = np.asarray(buffer).ravel()
+        expected = self.get_parameters_size(trainable_only)
+        if buffer.size != expected:
+            raise InputError(f"buffer has {buffer.size} values, the {'trainable ' if trainable_only else ''}parameters need {expected}")
+        offset = 0
+        for flat in (self.params,) if trainable_only else (self.params, self.frozen):
+            for name in flat.names:
+                view = flat.views[name]
+                np.copyto(view, buffer[offset : offset + view.size].reshape(view.shape), casting="same_kind")
+                offset += view.size
+
+    def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike, graph_output_names: Sequence[str] | None = None) -> None:
+        """An inference-only model: the eval graph without loss and labels, weights baked in."""
+        from odt_ops.export import export_inference_model
+
+        if self._eval is None:
+            raise InputError("exporting needs the eval model; pass eval_model_uri to Module(...)")
+        export_inference_model(self._eval_proto, self._state.checkpoint, inference_model_uri, graph_output_names)

@@ -1,0 +1,358 @@
+"""generate_artifacts: a forward ONNX model in, training artifacts in standard ONNX out.
+
+Mirrors ``onnxruntime.training.artifacts`` (same names, same options) so its users
+switch by changing an import; unlike it, every node written is a plain ai.onnx op, so
+onnxruntime's ordinary inference build and ``onnx.reference`` run the artifacts too,
+and gradient coverage is checked for the whole model before anything is built.
+
+Files written to ``artifact_directory``: ``{prefix}training_model.onnx``,
+``{prefix}eval_model.onnx``, ``{prefix}optimizer_model.onnx`` (when an optimizer is
+given), ``{prefix}checkpoint`` and, when asked, ``{prefix}nominal_checkpoint``.
+What the runtime needs to know is recorded in each model's metadata (see ``meta``).
+"""
+from __future__ import annotations
+
+import enum
+import fnmatch
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from odt_ops import meta
+from odt_ops.checkpoint import Checkpoint, save_checkpoint
+from odt_ops.errors import ArtifactError, UnsupportedOpError
+from odt_ops.grad.build import build_gradients, missing_gradients
+from odt_ops.ir.builder import GraphBuilder
+from odt_ops.ir.load import ModelSource, load_model, save_model
+from odt_ops.ir.model import TARGET_IR_VERSION, Model
+from odt_ops.onnxblock import Block, base, loss as losses, optim
+from odt_ops.onnxblock.optim import ParamSlots
+
+
+class LossType(enum.Enum):
+    MSELoss = 1
+    CrossEntropyLoss = 2
+    BCEWithLogitsLoss = 3
+    L1Loss = 4
+
+
+class OptimType(enum.Enum):
+    AdamW = 1
+    SGD = 2
+
+
+_LOSSES = {LossType.MSELoss: losses.MSELoss, LossType.CrossEntropyLoss: losses.CrossEntropyLoss,
+           LossType.BCEWithLogitsLoss: losses.BCEWithLogitsLoss, LossType.L1Loss: losses.L1Loss}
+# OptimType.AdamW means onnxruntime's defaults: its AdamWOptimizer, eps 1e-6, no weight decay
+_OPTIMIZERS = {OptimType.AdamW: lambda: optim.AdamW(), OptimType.SGD: lambda: optim.SGD()}
+
+# BatchNormalization inputs 3 and 4 are running statistics: buffers, not parameters
+_BUFFER_INPUTS = {"BatchNormalization": (3, 4)}
+
+
+@dataclass(frozen=True)
+class ParameterSplit:
+    trainable: list[str]
+    frozen: list[str]
+    buffers: list[str]
+
+
+def classify_parameters(model: Model, requires_grad: Sequence[str] | None, frozen_params: Sequence[str] | None) -> ParameterSplit:
+    """Resolve names and glob patterns to trainable, frozen and buffer initializers.
+
+    As in onnxruntime: initializers named in neither list stay graph constants.
+    """
+    arrays = model.initializer_arrays()
+    names = list(arrays)
+    buffers = sorted({node.input[i] for node in model.graph.node for i in _BUFFER_INPUTS.get(node.op_type, ())
+                      if i < len(node.input) and node.input[i] in arrays})
+
+    def resolve(patterns: Sequence[str] | None, what: str) -> list[str]:
+        chosen: list[str] = []
+        unknown = []
+        for pattern in patterns or []:
+            hits = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                unknown.append(pattern)
+            chosen.extend(h for h in hits if h not in chosen)
+        if unknown:
+            raise ArtifactError(f"{what}: {unknown} match no initializer of the model; its initializers are {_preview(names)}")
+        return chosen
+
+    trainable = resolve(requires_grad, "requires_grad")
+    frozen = resolve(frozen_params, "frozen_params")
+    both = sorted(set(trainable) & set(frozen))
+    if both:
+        raise ArtifactError(f"{both} are both in requires_grad and frozen_params; a parameter is one or the other")
+    as_buffer = sorted(set(trainable) & set(buffers))
+    if as_buffer:
+        raise ArtifactError(f"{as_buffer} are BatchNormalization running statistics (buffers); they are updated, not trained")
+    not_float = [n for n in trainable if arrays[n].dtype.kind != "f"]
+    if not_float:
+        raise ArtifactError(f"requires_grad: {not_float} are not floating point; only float tensors can be trained")
+    frozen = [n for n in frozen if n not in buffers]
+    return ParameterSplit(trainable, frozen, buffers)
+
+
+def _preview(names: Sequence[str], n: int = 12) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
+
+
+def check_coverage(model: ModelSource, requires_grad: Sequence[str] | None = None) -> dict:
+    """Pre-flight report: nodes lacking a kernel or a gradient rule, and parameter counts."""
+    normalized = model if isinstance(model, Model) else load_model(model)
+    split = classify_parameters(normalized, requires_grad, None)
+    arrays = normalized.initializer_arrays()
+    return {
+        "missing": missing_gradients(normalized, split.trainable),
+        "trainable_parameters": int(sum(arrays[n].size for n in split.trainable)),
+        "all_parameters": int(sum(a.size for a in arrays.values() if a.dtype.kind == "f")),
+        "nodes": len(normalized.graph.node),
+    }
+
+
+def generate_artifacts(
+    model: ModelSource,
+    requires_grad: Sequence[str] | None = None,
+    frozen_params: Sequence[str] | None = None,
+    loss: LossType | Block | None = None,
+    optimizer: OptimType | optim.Optimizer | None = None,
+    artifact_directory: str | os.PathLike | None = None,
+    prefix: str = "",
+    additional_output_names: Sequence[str] | None = None,
+    nominal_checkpoint: bool = False,
+    loss_input_names: Sequence[str] | None = None,
+) -> dict[str, Path]:
+    """Write the training artifacts for ``model``; returns the written paths by kind."""
+    forward = load_model(model)
+    split = classify_parameters(forward, requires_grad, frozen_params)
+    missing = missing_gradients(forward, split.trainable)
+    if missing:  # every node at once, before anything is built
+        raise UnsupportedOpError(missing, what="kernel or gradient rule")
+    out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
+    loss_block = _loss_block(loss)
+    extra = list(additional_output_names or [])
+
+    eval_model = _with_loss(forward, split, loss_block, loss_input_names, extra, training=False)
+    train_model = _with_loss(forward, split, loss_block, loss_input_names, extra, training=True)
+    loss_name = train_model.graph.output[0].name
+    grads = _add_gradients(train_model, loss_name, split)
+    buffer_updates = _buffer_updates(train_model, split)
+
+    arrays = forward.initializer_arrays()
+    info = meta.ArtifactInfo(
+        user_inputs=[i.name for i in forward.graph.input],
+        labels=[i.name for i in eval_model.graph.input if i.name not in {x.name for x in forward.graph.input} and i.name not in arrays],
+        trainable=split.trainable,
+        frozen=split.frozen,
+        buffers=split.buffers,
+        loss=loss_name,
+        extra_outputs=extra,
+        gradients=grads,
+        buffer_updates=buffer_updates,
+        inference_outputs=[o.name for o in forward.graph.output],
+    )
+    paths = {}
+    for kind, proto in (("training_model", train_model), ("eval_model", eval_model)):
+        meta.write(proto, info)
+        _finish(proto, f"{prefix}{kind}.onnx")
+        paths[kind] = out_dir / f"{prefix}{kind}.onnx"
+        save_model(proto, paths[kind])
+    if optimizer is not None:
+        opt = _optimizer(optimizer)
+        proto = build_optimizer_model(opt, {n: arrays[n] for n in split.trainable})
+        paths["optimizer_model"] = out_dir / f"{prefix}optimizer_model.onnx"
+        save_model(proto, paths["optimizer_model"])
+    ckpt = Checkpoint(
+        parameters={n: np.asarray(arrays[n]) for n in (*split.trainable, *split.frozen)},
+        requires_grad={**{n: True for n in split.trainable}, **{n: False for n in split.frozen}},
+        buffers={n: np.asarray(arrays[n]) for n in split.buffers},
+    )
+    paths["checkpoint"] = out_dir / f"{prefix}checkpoint"
+    save_checkpoint(ckpt, paths["checkpoint"])
+    if nominal_checkpoint:
+        ckpt.nominal = True
+        ckpt.specs = {n: (tuple(a.shape), a.dtype.str) for n, a in (*ckpt.parameters.items(), *ckpt.buffers.items())}
+        paths["nominal_checkpoint"] = out_dir / f"{prefix}nominal_checkpoint"
+        save_checkpoint(ckpt, paths["nominal_checkpoint"])
+    return paths
+
+
+def _loss_block(loss: LossType | Block | None) -> Block:
+    if loss is None:
+        return losses_passthrough()
+    if isinstance(loss, LossType):
+        return _LOSSES[loss]()
+    if isinstance(loss, Block):
+        return loss
+    raise ArtifactError(f"loss must be an odt_ops.artifacts.LossType or an onnxblock.Block, got {type(loss).__name__}")
+
+
+def losses_passthrough() -> Block:
+    from odt_ops.onnxblock.blocks import PassThrough
+
+    return PassThrough()
+
+
+def _optimizer(optimizer: OptimType | optim.Optimizer) -> optim.Optimizer:
+    if isinstance(optimizer, OptimType):
+        return _OPTIMIZERS[optimizer]()
+    if isinstance(optimizer, optim.Optimizer):
+        return optimizer
+    raise ArtifactError(f"optimizer must be an odt_ops.artifacts.OptimType or an onnxblock.optim optimizer, got {type(optimizer).__name__}")
+
+
+def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_input_names, extra: list[str], *, training: bool) -> onnx.ModelProto:
+    """The forward graph with parameters as inputs, a loss, and outputs [loss, *extra]."""
+    proto = onnx.ModelProto()
+    proto.CopyFrom(forward.proto)
+    graph = proto.graph
+    as_inputs = [*split.trainable, *split.frozen, *split.buffers]
+    moved = {t.name: t for t in graph.initializer if t.name in set(as_inputs)}
+    kept = [t for t in graph.initializer if t.name not in moved]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    for name in as_inputs:
+        t = moved[name]
+        graph.input.append(helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+    if training:
+        _training_mode(graph)
+    outputs = [o.name for o in graph.output]
+    known = outputs + [v.name for v in graph.value_info]
+    absent = [n for n in (*(loss_input_names or []), *extra) if n not in known]
+    if absent:
+        raise ArtifactError(f"{absent} are not values of the model; its outputs are {outputs}")
+    loss_inputs = list(loss_input_names) if loss_input_names else (outputs if _takes_all_outputs(loss_block) else outputs[:1])
+    with base(proto):
+        loss_name = loss_block(*loss_inputs)
+    if not isinstance(loss_name, str):
+        raise ArtifactError("the loss block must return the name of one scalar value")
+    types = {v.name: v for v in (*graph.output, *graph.value_info)}
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info(loss_name, onnx.TensorProto.FLOAT, []))
+    for name in extra:
+        graph.output.append(types[name])
+    return _inferred(proto)
+
+
+def _takes_all_outputs(block: Block) -> bool:
+    # onnxruntime hands a custom loss block every model output; its own losses take the first
+    return not isinstance(block, (losses.MSELoss, losses.L1Loss, losses.BCEWithLogitsLoss, losses.CrossEntropyLoss)) and type(block).__name__ != "PassThrough"
+
+
+def _training_mode(graph: onnx.GraphProto) -> None:
+    """Dropout draws masks and BatchNormalization uses batch statistics while training."""
+    true = "odt/training_mode"
+    needs_true = False
+    for node in graph.node:
+        if node.op_type == "Dropout":
+            ins = list(node.input) + [""] * (3 - len(node.input))
+            ins[2] = true
+            del node.input[:]
+            node.input.extend(ins)
+            needs_true = True
+        elif node.op_type == "BatchNormalization":
+            for a in node.attribute:
+                if a.name == "training_mode":
+                    a.i = 1
+                    break
+            else:
+                node.attribute.append(helper.make_attribute("training_mode", 1))
+    if needs_true:
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), true))
+
+
+def _add_gradients(proto: onnx.ModelProto, loss_name: str, split: ParameterSplit) -> dict[str, str]:
+    if not split.trainable:
+        return {}
+    result = build_gradients(proto, loss_name, split.trainable)
+    proto.graph.node.extend(result.nodes)
+    proto.graph.initializer.extend(result.initializers)
+    grads = {}
+    for param, grad in result.grads.items():
+        proto.graph.output.append(helper.make_tensor_value_info(grad, onnx.TensorProto.FLOAT, None))
+        grads[param] = grad
+    return grads
+
+
+def _buffer_updates(proto: onnx.ModelProto, split: ParameterSplit) -> dict[str, str]:
+    """BatchNormalization in training mode outputs new running statistics: expose them."""
+    updates = {}
+    b = GraphBuilder(taken={n for node in proto.graph.node for n in (*node.input, *node.output)})
+    for node in proto.graph.node:
+        if node.op_type != "BatchNormalization":
+            continue
+        outs = list(node.output) + [""] * (3 - len(node.output))
+        for i, buf in ((1, node.input[3]), (2, node.input[4])):
+            if buf in split.buffers:
+                outs[i] = outs[i] or b.fresh(f"{buf}/updated")
+                updates[buf] = outs[i]
+        del node.output[:]
+        node.output.extend(outs)
+    for buf, out in updates.items():
+        proto.graph.output.append(helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))
+    return updates
+
+
+def build_optimizer_model(opt: optim.Optimizer, params: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """The optimizer graph: (learning_rate, step, [param, grad, *states] per parameter) -> new values."""
+    b = GraphBuilder(taken={"learning_rate", "step"}, prefix="optim")
+    inputs = [helper.make_tensor_value_info("learning_rate", onnx.TensorProto.FLOAT, []),
+              helper.make_tensor_value_info("step", onnx.TensorProto.INT64, [])]
+    slots = []
+    for name, array in params.items():
+        elem = helper.np_dtype_to_tensor_dtype(array.dtype)
+        value, grad = b.fresh(name), b.fresh(f"{name}/grad")
+        states = tuple(b.fresh(f"{name}/{s}") for s in opt.state_names)
+        for n in (value, grad, *states):
+            inputs.append(helper.make_tensor_value_info(n, elem, list(array.shape)))
+            b.types[n] = inputs[-1].type
+        slots.append(ParamSlots(name, value, grad, states))
+    results = opt.build(b, slots, "learning_rate", "step") if slots else []
+    outputs = []
+    for p, new in zip(slots, results):
+        for src in new:
+            # an output must be a fresh value, never an input passed through
+            name = b.op("Identity", [src]) if src in {p.value, *p.states} else src
+            outputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(params[p.name].dtype), list(params[p.name].shape)))
+    graph = helper.make_graph(b.nodes, "optimizer", inputs, outputs, b.initializers)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=TARGET_IR_VERSION)
+    meta.write_optimizer(proto, opt, slots, [o.name for o in outputs])
+    return _finish(proto, "optimizer_model.onnx")
+
+
+def _inferred(proto: onnx.ModelProto) -> onnx.ModelProto:
+    inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=False, data_prop=True)
+    proto.CopyFrom(inferred)
+    return proto
+
+
+def _complete_output_types(proto: onnx.ModelProto) -> None:
+    """Give outputs declared without a shape (gradients, buffer updates) their inferred type."""
+    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True).graph
+    types = {v.name: v.type for v in (*inferred.value_info, *inferred.output, *inferred.input)}
+    for out in proto.graph.output:
+        if not out.type.tensor_type.HasField("shape") and out.name in types:
+            out.type.CopyFrom(types[out.name])
+
+
+def _finish(proto: onnx.ModelProto, what: str) -> onnx.ModelProto:
+    proto.ir_version = TARGET_IR_VERSION
+    used = {n for node in proto.graph.node for n in node.input} | {o.name for o in proto.graph.output}
+    unused = [t for t in proto.graph.initializer if t.name not in used]
+    for t in unused:
+        proto.graph.initializer.remove(t)
+    _complete_output_types(proto)
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ArtifactError(f"{what}: the generated model fails onnx.checker (a bug in odt_ops): {exc}") from None
+    return proto
+
+
+__all__ = ["LossType", "OptimType", "check_coverage", "classify_parameters", "generate_artifacts"]

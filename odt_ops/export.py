@@ -1,0 +1,179 @@
+"""Leaving training: inference models, and model differences for federated learning.
+
+A model difference is a tensor file (see ``tensorfile``) holding, per trainable
+parameter, trained minus base, plus a hash that identifies the base it applies to and
+the number of training examples and steps behind it, so a server can weight it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from odt_ops import meta
+from odt_ops.checkpoint import Checkpoint, load_checkpoint
+from odt_ops.errors import ArtifactError, OdtError
+from odt_ops.ir.load import read_model, save_model
+from odt_ops.ir.model import TARGET_IR_VERSION
+from odt_ops.ir.passes import prune_unused
+from odt_ops.tensorfile import read_tensor_file, write_tensor_file
+
+DIFF_FORMAT = "odt-model-diff"
+DIFF_VERSION = 1
+
+
+class ModelDiffError(OdtError):
+    """A model difference is unreadable or does not fit the model it is applied to."""
+
+
+# ---- inference export ----------------------------------------------------------------------
+def export_inference_model(eval_model, checkpoint: Checkpoint, path: str | os.PathLike, graph_output_names: Sequence[str] | None = None) -> onnx.ModelProto:
+    """The eval graph pruned to ``graph_output_names`` (default: the original model's outputs),
+    with loss and labels removed and parameters and buffers baked in as initializers."""
+    source = read_model(eval_model)
+    proto = onnx.ModelProto()
+    proto.CopyFrom(source.proto)
+    info = meta.read(proto, source.source)
+    wanted = list(graph_output_names or info.inference_outputs)
+    graph = proto.graph
+    types = {v.name: v for v in (*graph.value_info, *graph.output, *graph.input)}
+    missing = [n for n in wanted if n not in types and not any(n in node.output for node in graph.node)]
+    if missing:
+        raise ArtifactError(f"{missing} are not values of the eval model; the original outputs are {info.inference_outputs}")
+    weights = {**checkpoint.parameters, **checkpoint.buffers}
+    absent = [n for n in (*info.parameters, *info.buffers) if n not in weights or (weights[n].size == 0 and checkpoint.nominal)]
+    if absent:
+        raise ArtifactError(f"the checkpoint has no values for {absent}; load the weights (copy_buffer_to_parameters) first")
+    baked = set(info.parameters) | set(info.buffers)
+    keep_inputs = [i for i in graph.input if i.name not in baked]
+    del graph.input[:]
+    graph.input.extend(keep_inputs)
+    graph.initializer.extend(numpy_helper.from_array(np.asarray(weights[n]), n) for n in (*info.parameters, *info.buffers))
+    del graph.output[:]
+    graph.output.extend(types[n] if n in types else helper.make_tensor_value_info(n, onnx.TensorProto.UNDEFINED, None) for n in wanted)
+    del proto.metadata_props[:]
+    from odt_ops.ir.model import Model
+
+    model = Model(proto, source=str(path))
+    prune_unused(model)
+    used = {n for node in model.graph.node for n in node.input} | set(wanted)
+    inputs = [i for i in model.graph.input if i.name in used]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    proto = onnx.shape_inference.infer_shapes(model.proto, check_type=True, strict_mode=True)
+    proto.ir_version = TARGET_IR_VERSION
+    onnx.checker.check_model(proto, full_check=True)
+    save_model(proto, path)
+    return proto
+
+
+# ---- model differences ------------------------------------------------------------------------
+def _fingerprint(params: Mapping[str, np.ndarray], names: Sequence[str]) -> str:
+    """SHA-256 over names, dtypes, shapes and bytes of the given parameters."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        a = np.ascontiguousarray(params[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class ModelDiff:
+    deltas: dict[str, np.ndarray]
+    base_hash: str
+    num_examples: int = 0
+    num_steps: int = 0
+    metadata: dict[str, int | float | str] = field(default_factory=dict)
+
+
+def _as_checkpoint(x) -> Checkpoint:
+    if isinstance(x, Checkpoint):
+        return x
+    if hasattr(x, "checkpoint"):  # an api.CheckpointState
+        return x.checkpoint
+    return load_checkpoint(x)
+
+
+def model_diff(base, trained, *, num_examples: int = 0, num_steps: int = 0, metadata: Mapping | None = None) -> ModelDiff:
+    """trained - base for every trainable parameter (checkpoints, paths or CheckpointStates)."""
+    b, t = _as_checkpoint(base), _as_checkpoint(trained)
+    names = t.trainable_names()
+    problems = [f"{n}: missing from the base" for n in names if n not in b.parameters]
+    problems += [f"{n}: base {b.parameters[n].dtype}{list(b.parameters[n].shape)} vs trained {t.parameters[n].dtype}{list(t.parameters[n].shape)}"
+                 for n in names if n in b.parameters and (b.parameters[n].shape != t.parameters[n].shape or b.parameters[n].dtype != t.parameters[n].dtype)]
+    if problems:
+        raise ModelDiffError("the trained checkpoint does not come from this base:\n  " + "\n  ".join(problems))
+    deltas = {n: np.asarray(t.parameters[n]) - np.asarray(b.parameters[n]) for n in names}
+    return ModelDiff(deltas, _fingerprint(b.parameters, names), int(num_examples), int(num_steps), dict(metadata or {}))
+
+
+def save_diff(diff: ModelDiff, path: str | os.PathLike) -> None:
+    _check_finite(diff.deltas, str(path))
+    header = {"base_hash": diff.base_hash, "num_examples": diff.num_examples, "num_steps": diff.num_steps, "metadata": diff.metadata}
+    write_tensor_file(path, DIFF_FORMAT, DIFF_VERSION, header, [({"name": n}, d) for n, d in diff.deltas.items()], ModelDiffError)
+
+
+def load_diff(path: str | os.PathLike) -> ModelDiff:
+    manifest, tensors = read_tensor_file(path, DIFF_FORMAT, DIFF_VERSION, ModelDiffError, "model difference")
+    deltas = {entry["name"]: np.asarray(array) for entry, array in tensors}
+    _check_finite(deltas, str(path))
+    return ModelDiff(deltas, str(manifest.get("base_hash", "")), int(manifest.get("num_examples", 0)), int(manifest.get("num_steps", 0)),
+                     dict(manifest.get("metadata") or {}))
+
+
+def _check_finite(deltas: Mapping[str, np.ndarray], where: str) -> None:
+    bad = [n for n, d in deltas.items() if not np.all(np.isfinite(d))]
+    if bad:
+        raise ModelDiffError(f"{where}: {bad} hold NaN or infinite values; refusing the difference")
+
+
+def apply_diff(base, diff: ModelDiff | str | os.PathLike) -> Checkpoint:
+    """A new checkpoint: base + diff. Refuses a diff made from another base, or with
+    wrong names, shapes, dtypes or non-finite values, naming what is wrong."""
+    b = _as_checkpoint(base)
+    d = diff if isinstance(diff, ModelDiff) else load_diff(diff)
+    _check_finite(d.deltas, "model difference")
+    problems = [f"{n}: not a parameter of the base" for n in d.deltas if n not in b.parameters]
+    for n, delta in d.deltas.items():
+        if n in b.parameters and (b.parameters[n].shape != delta.shape or b.parameters[n].dtype != delta.dtype):
+            problems.append(f"{n}: base has {b.parameters[n].dtype}{list(b.parameters[n].shape)}, the difference {delta.dtype}{list(delta.shape)}")
+    if problems:
+        raise ModelDiffError("the model difference does not fit this base:\n  " + "\n  ".join(problems))
+    if _fingerprint(b.parameters, list(d.deltas)) != d.base_hash:
+        raise ModelDiffError("the model difference was made from another base model (base hash mismatch); apply it to the checkpoint it was computed against")
+    params = {n: (np.asarray(a) + d.deltas[n]).astype(a.dtype, copy=False) if n in d.deltas else np.array(a) for n, a in b.parameters.items()}
+    return Checkpoint(parameters=params, requires_grad=dict(b.requires_grad), buffers={n: np.array(a) for n, a in b.buffers.items()},
+                      properties=dict(b.properties))
+
+
+def aggregate(diffs: Sequence[ModelDiff], weights: Sequence[float] | None = None) -> ModelDiff:
+    """Weighted federated averaging; weights default to each diff's number of examples."""
+    if not diffs:
+        raise ModelDiffError("aggregate needs at least one model difference")
+    hashes = {d.base_hash for d in diffs}
+    if len(hashes) != 1:
+        raise ModelDiffError(f"the differences come from {len(hashes)} different base models; aggregate differences of one base only")
+    names = list(diffs[0].deltas)
+    for i, d in enumerate(diffs[1:], 1):
+        if list(d.deltas) != names or any(d.deltas[n].shape != diffs[0].deltas[n].shape for n in names):
+            raise ModelDiffError(f"difference {i} has other parameters or shapes than difference 0")
+    if weights is None:
+        weights = [d.num_examples for d in diffs]
+        if sum(weights) == 0:
+            weights = [1.0] * len(diffs)
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (len(diffs),) or np.any(w < 0) or w.sum() <= 0 or not np.all(np.isfinite(w)):
+        raise ModelDiffError(f"weights must be {len(diffs)} non-negative finite numbers with a positive sum, got {list(weights)}")
+    w = w / w.sum()
+    deltas = {n: sum(wi * d.deltas[n].astype(np.float64) for wi, d in zip(w, diffs)).astype(diffs[0].deltas[n].dtype) for n in names}
+    return ModelDiff(deltas, diffs[0].base_hash, sum(d.num_examples for d in diffs), max(d.num_steps for d in diffs))
+
+
+__all__ = ["ModelDiff", "ModelDiffError", "aggregate", "apply_diff", "export_inference_model", "load_diff", "model_diff", "save_diff"]

@@ -1,0 +1,70 @@
+"""The model a Block builds into, and the Block protocol."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import onnx
+
+from odt_ops.errors import ArtifactError
+from odt_ops.ir.builder import GraphBuilder
+from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET
+
+_CURRENT: contextvars.ContextVar[tuple[onnx.ModelProto, GraphBuilder] | None] = contextvars.ContextVar("onnxblock_base", default=None)
+
+
+@contextlib.contextmanager
+def base(model: onnx.ModelProto) -> Iterator[onnx.ModelProto]:
+    """Blocks called inside this context add their nodes to ``model`` (in place)."""
+    builder = builder_for(model, prefix="loss")
+    token = _CURRENT.set((model, builder))
+    try:
+        yield model
+    finally:
+        _CURRENT.reset(token)
+        model.graph.node.extend(builder.nodes)
+        model.graph.initializer.extend(builder.initializers)
+
+
+def builder_for(model: onnx.ModelProto, prefix: str = "") -> GraphBuilder:
+    """A builder that knows every name, type and constant of ``model`` already has."""
+    graph = model.graph
+    types = {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output) if v.type.HasField("tensor_type")}
+    taken = {n for node in graph.node for n in (*node.input, *node.output)} | {node.name for node in graph.node}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), TARGET_OPSET)
+    return GraphBuilder(taken=taken, opset=opset, types=types, constants={t.name: t for t in graph.initializer}, prefix=prefix)
+
+
+@contextlib.contextmanager
+def empty_base(opset_version: int = TARGET_OPSET) -> Iterator[onnx.ModelProto]:
+    """A new empty model to build into (optimizer graphs start from one)."""
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph([], "onnxblock", [], []),
+        opset_imports=[onnx.helper.make_opsetid("", opset_version)],
+        ir_version=TARGET_IR_VERSION,
+    )
+    with base(model):
+        yield model
+
+
+def current() -> tuple[onnx.ModelProto, GraphBuilder]:
+    state = _CURRENT.get()
+    if state is None:
+        raise ArtifactError("a Block was called outside `with onnxblock.base(model):`; open a base model first")
+    return state
+
+
+def current_builder() -> GraphBuilder:
+    return current()[1]
+
+
+class Block:
+    """Subclass and implement ``build(*input_names) -> output name(s)``."""
+
+    def build(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} must implement build()")
+
+    def __call__(self, *args, **kwargs):
+        current()  # fail early, with the fix, when no base model is open
+        return self.build(*args, **kwargs)

@@ -1,0 +1,234 @@
+"""Optimizers, each in two forms kept side by side so they cannot drift apart:
+
+- ``build(b, params)`` emits the optimizer graph in standard ONNX (the artifact any
+  runtime can execute): inputs learning_rate (float scalar), step (int64 scalar, the
+  1-based number of this update), then per parameter the value, its gradient and its
+  state tensors; outputs the new values and states.
+- ``update(params, grads, states, lr, step)`` is the same arithmetic as one in-place
+  numpy pass per parameter, which the runtime runs instead of the graph. Tests hold
+  the two equal.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class ParamSlots:
+    """Value names of one parameter inside the optimizer graph."""
+
+    name: str
+    value: str
+    grad: str
+    states: tuple[str, ...]
+
+
+def clip_coefficient_graph(b, grads: Sequence[str], max_norm: float) -> str:
+    """coef = min(max_norm / (||g||_2 + 1e-6), 1) over all gradients, as torch's clip_grad_norm_."""
+    squares = [b.op("ReduceSumSquare", [g], keepdims=0) for g in grads]
+    total = squares[0] if len(squares) == 1 else b.op("Sum", squares)
+    norm = b.op("Sqrt", [total])
+    coef = b.op("Div", [b.constant(F32(max_norm)), b.op("Add", [norm, b.constant(F32(1e-6))])])
+    return b.op("Min", [coef, b.constant(F32(1.0))])
+
+
+def clip_coefficient(grads: Sequence[np.ndarray], max_norm: float) -> np.float32:
+    total = F32(0)
+    for g in grads:
+        total = total + np.dot(g.ravel(), g.ravel())
+    return np.minimum(F32(max_norm) / (np.sqrt(total) + F32(1e-6)), F32(1.0))
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """Shared surface: state names per parameter and gradient clipping."""
+
+    max_norm: float | None = None
+
+    state_names: tuple[str, ...] = ()
+    kind = "Optimizer"
+
+    def hyperparameters(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "state_names"}
+
+    def build(self, b, params: Sequence[ParamSlots], lr: str, step: str) -> list[tuple[str, ...]]:
+        """Emit the update; returns per parameter (new value, *new states)."""
+        grads = [p.grad for p in params]
+        if self.max_norm is not None:
+            coef = clip_coefficient_graph(b, grads, self.max_norm)
+            grads = [b.op("Mul", [g, coef]) for g in grads]
+        scalars = self.build_scalars(b, lr, step)
+        return [self.build_param(b, p, g, scalars) for p, g in zip(params, grads)]
+
+    def update(self, params: Sequence[np.ndarray], grads: Sequence[np.ndarray], states: Sequence[Sequence[np.ndarray]], lr: float, step: int) -> None:
+        """In place: params and states are overwritten, grads are left as they were."""
+        if self.max_norm is not None:
+            coef = clip_coefficient(grads, self.max_norm)
+            grads = [g * coef for g in grads]
+        scalars = self.scalars(F32(lr), step)
+        for p, g, s in zip(params, grads, states):
+            self.update_param(p, g, s, scalars)
+
+    def build_scalars(self, b, lr: str, step: str) -> dict[str, str]:
+        return {"lr": lr}
+
+    def scalars(self, lr: np.float32, step: int) -> dict[str, np.float32]:
+        return {"lr": lr}
+
+
+@dataclass(frozen=True)
+class SGD(Optimizer):
+    """p -= lr * d, d = g + wd*p, with momentum buf = mu*buf + d and Nesterov d = d + mu*buf
+    (torch.optim.SGD with dampening 0; plain SGD, ORT's default, keeps no state)."""
+
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    kind = "SGD"
+
+    def __post_init__(self):
+        if self.nesterov and self.momentum <= 0:
+            raise ValueError("SGD: nesterov needs momentum > 0")
+        object.__setattr__(self, "state_names", ("momentum_buffer",) if self.momentum else ())
+
+    def build_param(self, b, p: ParamSlots, g: str, s: dict) -> tuple[str, ...]:
+        if self.weight_decay:
+            g = b.op("Add", [g, b.op("Mul", [p.value, b.constant(F32(self.weight_decay))])])
+        new_states = ()
+        if self.momentum:
+            buf = b.op("Add", [b.op("Mul", [p.states[0], b.constant(F32(self.momentum))]), g])
+            new_states = (buf,)
+            g = b.op("Add", [g, b.op("Mul", [buf, b.constant(F32(self.momentum))])]) if self.nesterov else buf
+        return (b.op("Sub", [p.value, b.op("Mul", [g, s["lr"]])]), *new_states)
+
+    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict) -> None:
+        if self.weight_decay:
+            g = g + p * F32(self.weight_decay)
+        if self.momentum:
+            (buf,) = states
+            buf *= F32(self.momentum)
+            buf += g
+            g = g + buf * F32(self.momentum) if self.nesterov else buf
+        p -= g * s["lr"]
+
+
+@dataclass(frozen=True)
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay, in one of two exact flavours.
+
+    mode "ort" (onnxruntime's AdamWOptimizer): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+    p -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps); then p -= lr * wd * p.
+    mode "torch" (torch.optim.AdamW): p *= 1 - lr*wd; then
+    p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
+    """
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    mode: str = "ort"
+    state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    kind = "AdamW"
+
+    def __post_init__(self):
+        if self.mode not in ("ort", "torch"):
+            raise ValueError(f"AdamW mode must be 'ort' or 'torch', got {self.mode!r}")
+        object.__setattr__(self, "betas", tuple(float(x) for x in self.betas))
+
+    def build_scalars(self, b, lr: str, step: str) -> dict[str, str]:
+        b1, b2 = self.betas
+        t = b.op("Cast", [step], to=1)
+        bc1 = b.op("Sub", [b.constant(F32(1)), b.op("Pow", [b.constant(F32(b1)), t])])
+        bc2 = b.op("Sub", [b.constant(F32(1)), b.op("Pow", [b.constant(F32(b2)), t])])
+        s = {"lr": lr}
+        if self.mode == "ort":
+            s["step_size"] = b.op("Div", [b.op("Mul", [lr, b.op("Sqrt", [bc2])]), bc1])
+        else:
+            s["step_size"] = b.op("Div", [lr, bc1])
+            s["sqrt_bc2"] = b.op("Sqrt", [bc2])
+        if self.weight_decay:
+            s["decay"] = b.op("Sub", [b.constant(F32(1)), b.op("Mul", [lr, b.constant(F32(self.weight_decay))])])
+        return s
+
+    def scalars(self, lr: np.float32, step: int) -> dict[str, np.float32]:
+        b1, b2 = F32(self.betas[0]), F32(self.betas[1])
+        t = F32(step)
+        bc1, bc2 = F32(1) - np.power(b1, t), F32(1) - np.power(b2, t)
+        s = {"lr": lr}
+        if self.mode == "ort":
+            s["step_size"] = lr * np.sqrt(bc2) / bc1
+        else:
+            s["step_size"] = lr / bc1
+            s["sqrt_bc2"] = np.sqrt(bc2)
+        if self.weight_decay:
+            s["decay"] = F32(1) - lr * F32(self.weight_decay)
+        return s
+
+    def build_param(self, b, p: ParamSlots, g: str, s: dict) -> tuple[str, ...]:
+        b1, b2 = self.betas
+        m = b.op("Add", [b.op("Mul", [p.states[0], b.constant(F32(b1))]), b.op("Mul", [g, b.constant(F32(1 - b1))])])
+        v = b.op("Add", [b.op("Mul", [p.states[1], b.constant(F32(b2))]),
+                         b.op("Mul", [b.op("Mul", [g, g]), b.constant(F32(1 - b2))])])
+        sqrt_v = b.op("Sqrt", [v])
+        if self.mode == "ort":
+            denom = b.op("Add", [sqrt_v, b.constant(F32(self.eps))])
+            value = b.op("Sub", [p.value, b.op("Mul", [b.op("Div", [m, denom]), s["step_size"]])])
+            if self.weight_decay:
+                value = b.op("Mul", [value, s["decay"]])
+        else:
+            value = b.op("Mul", [p.value, s["decay"]]) if self.weight_decay else p.value
+            denom = b.op("Add", [b.op("Div", [sqrt_v, s["sqrt_bc2"]]), b.constant(F32(self.eps))])
+            value = b.op("Sub", [value, b.op("Mul", [b.op("Div", [m, denom]), s["step_size"]])])
+        return value, m, v
+
+    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict) -> None:
+        b1, b2 = self.betas
+        m, v = states
+        m *= F32(b1)
+        m += g * F32(1 - b1)
+        v *= F32(b2)
+        v += (g * g) * F32(1 - b2)
+        denom = np.sqrt(v)
+        if self.mode == "ort":
+            denom += F32(self.eps)
+            step = np.divide(m, denom, out=denom)
+            step *= s["step_size"]
+            p -= step
+            if self.weight_decay:
+                p *= s["decay"]
+        else:
+            if self.weight_decay:
+                p *= s["decay"]
+            denom /= s["sqrt_bc2"]
+            denom += F32(self.eps)
+            step = np.divide(m, denom, out=denom)
+            step *= s["step_size"]
+            p -= step
+
+
+@dataclass(frozen=True)
+class Adam(AdamW):
+    """torch.optim.Adam: L2 weight decay folded into the gradient (g += wd * p), no decoupled decay."""
+
+    mode: str = "torch"
+    kind = "Adam"
+
+    def build_param(self, b, p: ParamSlots, g: str, s: dict) -> tuple[str, ...]:
+        if self.weight_decay:
+            g = b.op("Add", [g, b.op("Mul", [p.value, b.constant(F32(self.weight_decay))])])
+        return AdamW(betas=self.betas, eps=self.eps, mode="torch").build_param(b, p, g, s)
+
+    def build_scalars(self, b, lr: str, step: str) -> dict[str, str]:
+        return AdamW(betas=self.betas, eps=self.eps, mode="torch").build_scalars(b, lr, step)
+
+    def scalars(self, lr: np.float32, step: int) -> dict[str, np.float32]:
+        return AdamW(betas=self.betas, eps=self.eps, mode="torch").scalars(lr, step)
+
+    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict) -> None:
+        if self.weight_decay:
+            g = g + p * F32(self.weight_decay)
+        AdamW(betas=self.betas, eps=self.eps, mode="torch").update_param(p, g, states, s)
