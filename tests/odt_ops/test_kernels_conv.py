@@ -1,0 +1,206 @@
+"""Conv, ConvTranspose, MaxPool and AveragePool against onnxruntime, on one-node models with random geometry."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import helper
+
+import odt_ops
+from odt_ops.errors import KernelError
+from odt_ops.kernels.conv import max_pool
+from odt_ops.runtime.plan import Plan
+
+SETTINGS = settings(deadline=None, max_examples=25)
+ort.set_default_logger_severity(3)  # the expected-failure probes below would flood the log
+OPSET = 22
+
+
+def _model(op: str, feeds: dict[str, np.ndarray], attrs: dict, out_shapes: list[tuple[int, ...]] | None,
+           n_outputs: int) -> onnx.ModelProto:
+    inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in feeds.items()]
+    out_types = [onnx.TensorProto.FLOAT, onnx.TensorProto.INT64]
+    outputs = [helper.make_tensor_value_info(f"out{i}", out_types[i], None if out_shapes is None else out_shapes[i])
+               for i in range(n_outputs)]
+    node = helper.make_node(op, list(feeds), [o.name for o in outputs], **attrs)
+    graph = helper.make_graph([node], op, inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=10)
+
+
+def check(op: str, feeds: dict[str, np.ndarray], attrs: dict, *, n_outputs: int = 1, atol: float = 1e-4) -> None:
+    """Run the node through onnxruntime and odt_ops and compare dtype, shape and values."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    sess = ort.InferenceSession(_model(op, feeds, attrs, None, n_outputs).SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+    want = sess.run(None, feeds)
+    # the odt model declares the output shapes: the loader runs onnx.checker
+    got = odt_ops.InferenceSession(_model(op, feeds, attrs, [w.shape for w in want], n_outputs),
+                                   normalize=False).run(None, feeds)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype, f"dtype {g.dtype} != {w.dtype}"
+        assert g.shape == w.shape, f"shape {g.shape} != {w.shape}"
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=atol)
+
+
+def rand(seed: int, *shape: int) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-2, 2, size=shape).astype(np.float32)
+
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+@st.composite
+def windows(draw, *, rank=None, max_kernel=3, max_stride=3, max_dilation=2, pad_below_kernel=False,
+            auto_pads=("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")):
+    """Spatial shape and window attributes that leave at least one output position."""
+    rank = rank or draw(st.integers(1, 3))
+    per_axis = st.lists
+    kernel = draw(per_axis(st.integers(1, max_kernel), min_size=rank, max_size=rank))
+    strides = draw(per_axis(st.integers(1, max_stride), min_size=rank, max_size=rank))
+    auto_pad = draw(st.sampled_from(auto_pads))
+    # onnxruntime refuses dilations with SAME_* padding
+    dilation = st.integers(1, 1 if auto_pad.startswith("SAME") else max_dilation)
+    dilations = draw(per_axis(dilation, min_size=rank, max_size=rank))
+    extents = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    if auto_pad.startswith("SAME"):
+        # a window shorter than the stride makes the SAME padding negative: onnxruntime's pools
+        # refuse it or shift the windows by it, where its Conv and odt_ops clamp it at 0
+        strides = [min(s, e) for s, e in zip(strides, extents)]
+    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations}
+    if auto_pad == "NOTSET":
+        # onnxruntime's pools insist on pads smaller than the kernel
+        pads = [draw(st.integers(0, k - 1 if pad_below_kernel else 2)) for k in kernel * 2]
+        attrs["pads"] = pads
+    else:
+        attrs["auto_pad"] = auto_pad
+    spatial = [e + draw(st.integers(0, 4)) for e in extents]
+    return spatial, attrs
+
+
+@SETTINGS
+@given(windows(), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(1, 2), st.booleans(), seeds)
+def test_conv(geometry, group, in_per_group, out_per_group, batch, bias, seed):
+    spatial, attrs = geometry
+    C, M = group * in_per_group, group * out_per_group
+    feeds = {"X": rand(seed, batch, C, *spatial), "W": rand(seed + 1, M, in_per_group, *attrs["kernel_shape"])}
+    if bias:
+        feeds["B"] = rand(seed + 2, M)
+    check("Conv", feeds, {**attrs, "group": group})
+
+
+@SETTINGS
+@given(windows(rank=2, max_kernel=5, max_stride=2), st.integers(1, 4), st.integers(1, 3), seeds)
+def test_conv_depthwise(geometry, channels, multiplier, seed):
+    spatial, attrs = geometry
+    feeds = {"X": rand(seed, 2, channels, *spatial), "W": rand(seed + 1, channels * multiplier, 1, *attrs["kernel_shape"]),
+             "B": rand(seed + 2, channels * multiplier)}
+    check("Conv", feeds, {**attrs, "group": channels})
+
+
+@st.composite
+def transpose_windows(draw):
+    rank = draw(st.integers(1, 3))
+    kernel = draw(st.lists(st.integers(1, 3), min_size=rank, max_size=rank))
+    strides = draw(st.lists(st.integers(1, 3), min_size=rank, max_size=rank))
+    dilations = draw(st.lists(st.integers(1, 2), min_size=rank, max_size=rank))
+    spatial = draw(st.lists(st.integers(1, 5), min_size=rank, max_size=rank))
+    mode = draw(st.sampled_from(["pads", "SAME_UPPER", "SAME_LOWER", "VALID", "output_shape"]))
+    if mode.startswith("SAME"):
+        # onnxruntime clamps a negative SAME padding (window shorter than the stride) to 0, where
+        # the spec keeps output = input * stride; and onnx shape inference adds output_padding
+        # to SAME outputs, where onnxruntime and the spec do not: keep clear of both
+        strides = [min(s, (k - 1) * d + 1) for s, k, d in zip(strides, kernel, dilations)]
+        output_padding = [0] * rank
+    else:
+        # the spec allows output_padding below the stride or the dilation; onnxruntime only below the stride
+        output_padding = [draw(st.integers(0, s - 1)) for s in strides]
+    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "output_padding": output_padding}
+    full = [s * (n - 1) + a + (k - 1) * d + 1 for s, n, a, k, d in zip(strides, spatial, output_padding, kernel, dilations)]
+    if mode == "pads":
+        begin = [draw(st.integers(0, (f - 1) // 2)) for f in full]
+        attrs["pads"] = begin + [draw(st.integers(0, (f - 1) // 2)) for f in full]
+    elif mode == "output_shape":
+        # no larger than the uncropped size: onnxruntime refuses the zero margin the spec adds then;
+        # no smaller than the input: onnx shape inference (1.23) silently truncates the shape there
+        attrs["output_shape"] = [draw(st.integers(n, f)) for n, f in zip(spatial, full)]
+    else:
+        attrs["auto_pad"] = mode
+    return spatial, attrs
+
+
+@SETTINGS
+@given(transpose_windows(), st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.booleans(), seeds)
+def test_conv_transpose(geometry, group, in_per_group, out_per_group, bias, seed):
+    spatial, attrs = geometry
+    C, M = group * in_per_group, group * out_per_group
+    feeds = {"X": rand(seed, 2, C, *spatial), "W": rand(seed + 1, C, out_per_group, *attrs["kernel_shape"])}
+    if bias:
+        feeds["B"] = rand(seed + 2, M)
+    check("ConvTranspose", feeds, {**attrs, "group": group})
+
+
+@SETTINGS
+@given(windows(pad_below_kernel=True), st.integers(0, 1), st.integers(0, 1), st.integers(1, 2), seeds)
+def test_max_pool(geometry, ceil_mode, storage_order, n_outputs, seed):
+    spatial, attrs = geometry
+    if "auto_pad" in attrs:
+        ceil_mode = 0  # onnxruntime computes SAME/VALID shapes with floor only
+    X = rand(seed, 2, 3, *spatial)
+    if seed % 2:  # ties: the index of the first maximum in row-major order wins
+        X = np.round(X)
+    check("MaxPool", {"X": X}, {**attrs, "ceil_mode": ceil_mode, "storage_order": storage_order}, n_outputs=n_outputs)
+
+
+@SETTINGS
+@given(windows(pad_below_kernel=True), st.integers(0, 1), st.integers(0, 1), seeds)
+def test_average_pool(geometry, ceil_mode, count_include_pad, seed):
+    spatial, attrs = geometry
+    if "auto_pad" in attrs:
+        ceil_mode = 0
+    check("AveragePool", {"X": rand(seed, 2, 3, *spatial)},
+          {**attrs, "ceil_mode": ceil_mode, "count_include_pad": count_include_pad})
+
+
+@SETTINGS
+@given(windows(pad_below_kernel=True), st.sampled_from([1, 2, 3]), seeds)
+def test_lp_pool(geometry, p, seed):
+    spatial, attrs = geometry
+    check("LpPool", {"X": rand(seed, 2, 3, *spatial)}, {**attrs, "p": p})
+
+
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "GlobalMaxPool"])
+@pytest.mark.parametrize("spatial", [(5,), (4, 3), (2, 3, 4)])
+def test_global_pools(op, spatial):
+    check(op, {"X": rand(0, 2, 3, *spatial)}, {})
+
+
+def test_max_pool_uint8_indices_skip_padding():
+    # zeros tie with the uint8 padding value; the index must still point at a real element
+    # (onnxruntime has no uint8 MaxPool with Indices, so this checks the definition directly)
+    Y, I = max_pool(np.zeros((1, 1, 3, 3), dtype=np.uint8), kernel_shape=[2, 2], pads=[1, 1, 1, 1], _num_outputs=2)
+    assert Y.dtype == np.uint8 and Y.shape == (1, 1, 4, 4)
+    np.testing.assert_array_equal(I, [[[[0, 0, 1, 2], [0, 0, 1, 2], [3, 3, 4, 5], [6, 6, 7, 8]]]])
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs", "message"),
+    [
+        ("Conv", {"group": 2}, "group 2 must divide"),
+        ("Conv", {"pads": [1, 1]}, "pads"),
+        ("Conv", {"auto_pad": "SAME"}, "auto_pad"),
+        ("MaxPool", {"kernel_shape": [9, 9]}, "does not fit"),
+        ("AveragePool", {"kernel_shape": [2, 2], "strides": [0, 1]}, "strides"),
+    ],
+)
+def test_bad_attributes_name_the_node(op, attrs, message):
+    feeds = {"X": rand(0, 1, 3, 4, 4)}
+    if op == "Conv":
+        feeds["W"] = rand(1, 2, 3, 3, 3)
+    # a bare plan: the loader's checker would already refuse some of these models
+    plan = Plan(_model(op, feeds, attrs, None, 1).graph, {"": OPSET}, {}, list(feeds), ["out0"])
+    with pytest.raises(KernelError, match=f"{op} node.*{message}"):
+        plan.run(list(feeds.values()))
