@@ -103,6 +103,13 @@ def _preview(names: Sequence[str], n: int = 12) -> str:
     return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
 
 
+def default_trainable(model: Model) -> list[str]:
+    """Every float initializer that is not a running statistic: "train the whole model"."""
+    arrays = model.initializer_arrays()
+    buffers = set(classify_parameters(model, None, None).buffers)
+    return [n for n, a in arrays.items() if a.dtype.kind == "f" and n not in buffers]
+
+
 def check_coverage(model: ModelSource, requires_grad: Sequence[str] | None = None) -> dict:
     """Pre-flight report: nodes lacking a kernel or a gradient rule, and parameter counts."""
     normalized = model if isinstance(model, Model) else load_model(model)
@@ -232,9 +239,10 @@ def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_in
         loss_name = loss_block(*loss_inputs)
     if not isinstance(loss_name, str):
         raise ArtifactError("the loss block must return the name of one scalar value")
+    _inferred(proto)  # the loss's own type: float64 models, reduction="none" keeps a shape
     types = {v.name: v for v in (*graph.output, *graph.value_info)}
     del graph.output[:]
-    graph.output.append(helper.make_tensor_value_info(loss_name, onnx.TensorProto.FLOAT, []))
+    graph.output.append(types.get(loss_name) or helper.make_tensor_value_info(loss_name, onnx.TensorProto.FLOAT, []))
     for name in extra:
         graph.output.append(types[name])
     return _inferred(proto)
@@ -275,7 +283,7 @@ def _add_gradients(proto: onnx.ModelProto, loss_name: str, split: ParameterSplit
     proto.graph.initializer.extend(result.initializers)
     grads = {}
     for param, grad in result.grads.items():
-        proto.graph.output.append(helper.make_tensor_value_info(grad, onnx.TensorProto.FLOAT, None))
+        proto.graph.output.append(_typed_like(proto, grad, param))
         grads[param] = grad
     return grads
 
@@ -295,8 +303,16 @@ def _buffer_updates(proto: onnx.ModelProto, split: ParameterSplit) -> dict[str, 
         del node.output[:]
         node.output.extend(outs)
     for buf, out in updates.items():
-        proto.graph.output.append(helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))
+        proto.graph.output.append(_typed_like(proto, out, buf))
     return updates
+
+
+def _typed_like(proto: onnx.ModelProto, name: str, like: str) -> onnx.ValueInfoProto:
+    """An output declared with the type of graph input ``like``: a gradient or an updated
+    buffer has its parameter's dtype and shape, whether or not shape inference can tell."""
+    value = onnx.ValueInfoProto(name=name)
+    value.type.CopyFrom(next(i.type for i in proto.graph.input if i.name == like))
+    return value
 
 
 def build_optimizer_model(opt: optim.Optimizer, params: dict[str, np.ndarray]) -> onnx.ModelProto:
