@@ -239,7 +239,7 @@ def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_in
         loss_name = loss_block(*loss_inputs)
     if not isinstance(loss_name, str):
         raise ArtifactError("the loss block must return the name of one scalar value")
-    _inferred(proto)  # the loss's own type: float64 models, reduction="none" keeps a shape
+    graph = _inferred(proto).graph  # the loss's own type: float64 models, reduction="none" keeps a shape
     types = {v.name: v for v in (*graph.output, *graph.value_info)}
     del graph.output[:]
     graph.output.append(types.get(loss_name) or helper.make_tensor_value_info(loss_name, onnx.TensorProto.FLOAT, []))
