@@ -12,6 +12,7 @@ onnx.reference where a kernel is still missing), and compared with
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
@@ -22,6 +23,7 @@ from odt_ops.grad import build_gradients
 from odt_ops.runtime.plan import Plan, missing_kernels
 
 OPSET = 21
+EXECUTORS: Counter = Counter()  # which engine ran the gradient graphs
 FLOAT_KINDS = "f"
 
 
@@ -188,7 +190,9 @@ def check_gradients(
     values.update({p: init_values[p] for p in wrt if p not in values})
     values.update(params or {})
     inputs = list(dict.fromkeys([*feeds, *wrt]))
-    analytic = compile_model(full, inputs, ["loss", *[grads[p] for p in wrt]], seed)(values)
+    run = compile_model(full, inputs, ["loss", *[grads[p] for p in wrt]], seed)
+    EXECUTORS[run.executor] += 1
+    analytic = run(values)
     forward = compile_model(loss_model, inputs, ["loss"], seed)
     numeric = numeric_gradients(forward, {n: values[n] for n in inputs}, wrt, eps)
     errors = {}
