@@ -12,18 +12,23 @@ from odt_ops.errors import OdtError
 
 
 def check(args: argparse.Namespace) -> int:
-    """Load and normalize a model; report op coverage and parameter count."""
+    """Load and normalize a model; report every node lacking a kernel or a gradient rule."""
+    from odt_ops.artifacts import check_coverage, default_trainable
     from odt_ops.ir.load import load_model, read_model
-    from odt_ops.ir.passes import require_kernels
 
     raw = read_model(args.model)
     print(f"{args.model}: opset {raw.opset}, {len(raw.graph.node)} nodes")
-    model = load_model(raw)
-    require_kernels(model)
-    params = sum(int(np.prod(a.shape)) for a in model.initializer_arrays().values() if a.dtype.kind == "f")
-    ops = sorted({n.op_type for n in model.graph.node})
-    print(f"normalized: opset {model.opset}, {len(model.graph.node)} nodes, {params:,} float parameters")
-    print(f"every op has a kernel: {', '.join(ops)}")
+    model = load_model(raw)  # raises UnsupportedOpError listing every op without a kernel
+    trainable = args.requires_grad or default_trainable(model)
+    report = check_coverage(model, trainable)
+    print(f"normalized: opset {model.opset}, {report['nodes']} nodes, {report['all_parameters']:,} float parameters")
+    print(f"trainable: {report['trainable_parameters']:,} parameters in {len(trainable)} tensors")
+    if report["missing"]:
+        print("missing (domain::op, opset: nodes):")
+        for (domain, op, opset), nodes in sorted(report["missing"].items()):
+            print(f"  {domain or 'ai.onnx'}::{op}, opset {opset}: {', '.join(nodes[:8])}{' ...' if len(nodes) > 8 else ''}")
+        return 1
+    print("every node has a kernel and every node on the path to a trainable parameter a gradient rule")
     return 0
 
 
@@ -59,8 +64,9 @@ def demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m odt_ops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("check", help="load a model and report what the engine covers")
+    p = sub.add_parser("check", help="report every node lacking a kernel or a gradient rule, before generating anything")
     p.add_argument("model", help="path to an .onnx file")
+    p.add_argument("--requires-grad", nargs="*", metavar="NAME_OR_GLOB", help="trainable parameters (default: every float initializer)")
     p.set_defaults(func=check)
     p = sub.add_parser("demo", help="run a zoo network shipped with onnx and compare with onnxruntime")
     p.add_argument("--model", default="squeezenet", help="one of the onnx wheel's light zoo models (default: squeezenet)")

@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 
 from odt_ops.errors import ModelCheckError, ModelLoadError, UnsupportedOpError
 from odt_ops.ir import passes
-from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model, default_opset
+from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model, default_opset, tensor_to_array
 
 ModelSource = onnx.ModelProto | str | os.PathLike | bytes | Model
 
@@ -58,6 +58,7 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
     cannot lower keeps its opset, since kernels are registered per opset version.
     """
     model = read_model(source)
+    passes.complete_output_types(model)
     _check(model, full=False)
     if target_opset is not None and model.opset != target_opset:
         _convert(model, target_opset)
@@ -68,7 +69,7 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
     passes.infer_shapes(model)
     passes.fold_constants(model)  # Shape of now-known static shapes
     passes.prune_unused(model)
-    model.proto.ir_version = min(max(model.proto.ir_version, 3), ir_version_for(model.opset))
+    model.proto.ir_version = ir_version_for(model.opset)
     _check(model, full=True)
     passes.require_kernels(model)
     return model
@@ -85,9 +86,31 @@ def ir_version_for(opset: int) -> int:
 
 def _check(model: Model, *, full: bool) -> None:
     try:
-        onnx.checker.check_model(model.proto, full_check=full)
+        if _has_external_data(model):
+            _check_with_external_data(model, full)
+        else:
+            onnx.checker.check_model(model.proto, full_check=full)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ModelCheckError(f"{model.source}: fails onnx.checker: {exc}") from None
+
+
+def _has_external_data(model: Model) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def _check_with_external_data(model: Model, full: bool) -> None:
+    """Check the graph with each external tensor stood in for by a graph input of its type:
+    the checker would look for the data relative to the working directory, and reading it
+    would hold a second copy. The data files themselves are verified when mapped."""
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model.proto)
+    external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    for t in external:
+        proto.graph.initializer.remove(t)
+        proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    onnx.checker.check_model(proto, full_check=full)
+    for t in external:
+        tensor_to_array(t, model.base_dir, model.source)  # missing or short data files fail here, by name
 
 
 def _convert(model: Model, target: int) -> None:

@@ -133,6 +133,25 @@ def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
     return changed
 
 
+def complete_output_types(model: Model) -> bool:
+    """Graph outputs declared without a shape get the inferred one (the checker requires it)."""
+    outputs = [o for o in model.graph.output if o.type.HasField("tensor_type") and not o.type.tensor_type.HasField("shape")]
+    if not outputs:
+        return False
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model.proto, data_prop=True).graph
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+        return False  # the checker will say what is wrong
+    types = {v.name: v.type for v in (*inferred.value_info, *inferred.output)}
+    changed = False
+    for out in outputs:
+        tp = types.get(out.name)
+        if tp is not None and tp.tensor_type.HasField("shape"):
+            out.type.CopyFrom(tp)
+            changed = True
+    return changed
+
+
 def infer_shapes(model: Model) -> bool:
     try:
         inferred = onnx.shape_inference.infer_shapes(model.proto, check_type=True, strict_mode=True, data_prop=True)

@@ -15,7 +15,8 @@ RNG = np.random.default_rng(0)
 
 
 def mlp(opset: int, batch: int = 2) -> onnx.ModelProto:
-    """x[batch,4] -> MatMul -> Add -> Relu -> MatMul -> Add -> Softmax, at ``opset``."""
+    """x[batch,4] -> MatMul -> Add -> Relu -> MatMul -> Add -> Softmax, at ``opset`` (fixed weights)."""
+    RNG = np.random.default_rng(42)
     w1 = numpy_helper.from_array(RNG.standard_normal((4, 8)).astype(np.float32), "w1")
     b1 = numpy_helper.from_array(RNG.standard_normal(8).astype(np.float32), "b1")
     w2 = numpy_helper.from_array(RNG.standard_normal((8, 3)).astype(np.float32), "w2")
@@ -33,6 +34,8 @@ def mlp(opset: int, batch: int = 2) -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 3])], [w1, b1, w2, b2],
     )
     ir = 3 if opset < 9 else onnx.helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
+    if ir < 4:  # IR 3 lists every initializer among the graph inputs
+        graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir)
 
 
@@ -107,7 +110,7 @@ def test_external_data_is_memory_mapped(tmp_path):
     assert all(isinstance(a, np.memmap) for a in arrays.values())
     x = RNG.standard_normal((2, 4)).astype(np.float32)
     np.testing.assert_allclose(odt_ops.InferenceSession(model).run(None, {"x": x})[0],
-                               ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+                               ReferenceEvaluator(mlp(17)).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
 
 
 def test_missing_external_data_names_the_file(tmp_path):
@@ -169,7 +172,7 @@ def test_kernel_failure_names_the_node():
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"], name="the_reshape")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]),
                                            helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])])
     sess = odt_ops.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     with pytest.raises(KernelError, match="the_reshape"):
         sess.run(None, {"x": np.ones(5, np.float32), "shape": np.array([2, 2], np.int64)})
