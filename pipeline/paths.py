@@ -1,0 +1,90 @@
+"""Where things live: the project (code, conf/, params.yaml, data/) and the tracking store.
+
+Two roots, on purpose:
+
+- ``project_root()``: the checkout the stage runs in. DVC runs a queued experiment in a
+  temporary copy (``.dvc/tmp/exps/...``) and imports ``pipeline`` from there, so the
+  package's own location is the right root; ``ODT_PROJECT_ROOT`` overrides it.
+- ``tracking_root()``: where ``mlflow.db`` lives, shared by every run. DVC sets
+  ``DVC_ROOT`` to the *original* repository even for experiments in temporary copies,
+  so it wins here; outside DVC it is the project root. (DVC_ROOT must not be used for
+  stage outputs: a queued experiment would write into the user's workspace.)
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STAGES = ("prepare", "convert", "pretrain", "generate", "train", "evaluate", "export")
+SPLITS = ("global_train", "global_test", "user_train", "user_holdout")
+
+
+def project_root() -> Path:
+    env = os.environ.get("ODT_PROJECT_ROOT")
+    if env:
+        return Path(env).resolve()
+    package_parent = Path(__file__).resolve().parent.parent
+    if (package_parent / "conf").is_dir():
+        return package_parent
+    return Path.cwd().resolve()  # a non-editable install: run from the checkout
+
+
+def tracking_root() -> Path:
+    env = os.environ.get("DVC_ROOT")
+    return Path(env).resolve() if env else project_root()
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The data/<stage>/ layout under one root; ``redirect`` points a stage elsewhere
+    (main() writes into a staging directory and swaps it in when the stage succeeds)."""
+
+    root: Path
+    redirects: Mapping[str, Path] = field(default_factory=dict)
+
+    @classmethod
+    def default(cls) -> "Paths":
+        return cls(project_root())
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def out(self, stage: str) -> Path:
+        """The output directory of ``stage`` (data/<stage>/)."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+        return Path(self.redirects.get(stage, self.data / stage))
+
+    def redirect(self, stage: str, directory: Path) -> "Paths":
+        return Paths(self.root, {**self.redirects, stage: Path(directory)})
+
+    def split(self, name: str) -> Path:
+        """One of prepare's data sets: global_train, global_test, user_train, user_holdout."""
+        if name not in SPLITS:
+            raise ValueError(f"unknown split {name!r}; splits: {', '.join(SPLITS)}")
+        return self.out("prepare") / f"{name}.npz"
+
+    @property
+    def base_model(self) -> Path:
+        """convert's output: the normalized forward-only model."""
+        return self.out("convert") / "base.onnx"
+
+    @property
+    def pretrained_model(self) -> Path:
+        """pretrain's output: the cloud-trained forward-only model."""
+        return self.out("pretrain") / "base.onnx"
+
+    def resolve(self, path: str | os.PathLike) -> Path:
+        """A user-given path: absolute as is, relative to the project root otherwise."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else self.root / p
+
+    def show(self, path: Path) -> str:
+        """``path`` relative to the root when inside it (for messages)."""
+        try:
+            return str(Path(path).relative_to(self.root))
+        except ValueError:
+            return str(path)

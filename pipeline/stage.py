@@ -1,0 +1,74 @@
+"""What every stage's ``main()`` does around its pure ``run(cfg, paths)``.
+
+1. load and validate the configuration (``pipeline.config.load``), before any work;
+2. open the stage's MLflow run (``pipeline.tracking.stage_run``);
+3. call ``run`` with the stage's output directory redirected to a staging directory,
+   and swap it into ``data/<stage>/`` only if ``run`` succeeded, so a failure leaves
+   the previous outputs (this stage's and every earlier one's) intact;
+4. log the metrics and the listed output files to MLflow;
+5. report any error as one line on stderr (no traceback) and return its exit code:
+   2 for configuration errors, 1 for bad inputs (data, model source, tracking store).
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from pipeline.errors import EXIT_INPUT, PipelineError
+from pipeline.paths import Paths
+
+RunFn = Callable[..., dict]
+
+
+def usage(stage: str) -> str:
+    from pipeline.config import group_options
+
+    groups = "\n".join(f"  {g}={'|'.join(opts)}" for g, opts in group_options().items())
+    return (
+        f"usage: python -m pipeline.{stage} [OVERRIDE ...]\n\n"
+        "With no overrides the stage reads params.yaml (as DVC runs it); with overrides it\n"
+        "composes conf/ plus the overrides (Hydra grammar: key=value, group=option, +key=value).\n"
+        f"Examples: python -m pipeline.{stage} optimizer.lr=3e-3 model=cnn\n\nConfig groups:\n{groups}\n"
+    )
+
+
+def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts: Sequence[str] = ()) -> int:
+    """Run ``stage`` as DVC or a person would (``python -m pipeline.<stage> [overrides]``)."""
+    from odt_ops.errors import OdtError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(usage(stage))
+        return 0
+    t0 = time.perf_counter()
+    try:
+        from pipeline import config, tracking
+        from pipeline.io import publish_dir
+
+        cfg = config.load(args)
+        paths = Paths.default()
+        with tracking.stage_run(stage, cfg, config_source=config.source_of(args)) as tracker:
+            with publish_dir(paths.out(stage)) as staging:
+                kwargs = {"tracker": tracker} if "tracker" in inspect.signature(run).parameters else {}
+                metrics = run(cfg, paths.redirect(stage, staging), **kwargs)
+            tracker.log_metrics(metrics)
+            for name in artifacts:
+                tracker.log_artifact(paths.out(stage) / name, stage)
+    except PipelineError as exc:
+        print(f"{stage}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OdtError as exc:
+        print(f"{stage}: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        print(f"{stage}: interrupted; earlier outputs are unchanged", file=sys.stderr)
+        return 130
+    shown = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+    print(f"{stage}: done in {time.perf_counter() - t0:.1f} s -> {paths.show(paths.out(stage))}/ ({shown})")
+    return 0
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
