@@ -1,0 +1,117 @@
+"""Stage 1, prepare: the cloud's data and one device owner's data, as .npz files.
+
+Outputs (data/prepare/): ``global_train.npz``, ``global_test.npz`` (the cloud's),
+``user_train.npz``, ``user_holdout.npz`` (the device's), each with ``x`` float32
+[N, *data.input_shape] in [0, 1] and ``y`` int64 [N]; ``summary.json`` (counts, the
+user's style, a shift probe).
+
+The demo (scikit-learn's real handwritten digits) is split, seeded, into the cloud's
+part and ``data.user_samples`` digits for the user, which are re-rendered in the
+user's handwriting (``data.style``: a slant and a heavier pen, see
+``datasets.render_style``). The user labels ``data.user_train_per_class`` digits per
+class on the device; the rest is the holdout that measures personalization. With
+``data.user_data`` set, the user's own samples replace the simulated user and are
+split ``data.user_holdout_fraction`` into the holdout.
+
+The probe is a nearest-centroid classifier fit on global_train: its accuracy on the
+global test set versus the user's holdout shows how far the user is from the crowd.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from pipeline import datasets
+from pipeline.errors import ConfigError
+from pipeline.io import save_npz, write_json
+from pipeline.paths import SPLITS, Paths
+
+
+def run(cfg, paths: Paths) -> dict:
+    d = cfg.data
+    rng = np.random.default_rng(cfg.seed)
+    x, y = datasets.load_digits_demo()
+    if list(d.input_shape) != list(x.shape[1:]) or d.num_classes != 10:
+        raise ConfigError(
+            f"data.input_shape={list(d.input_shape)}, data.num_classes={d.num_classes}: the digits demo is "
+            f"{list(x.shape[1:])} with 10 classes (the user's own data must fit it too)"
+        )
+    if d.user_samples >= len(x) // 2:
+        raise ConfigError(f"data.user_samples={d.user_samples}: expected fewer than half of the demo's {len(x)} digits")
+    order = rng.permutation(len(x))
+    user_idx, cloud_idx = order[: d.user_samples], order[d.user_samples:]
+    n_test = int(round(d.test_fraction * len(cloud_idx)))
+    splits = {"global_train": (x[cloud_idx[n_test:]], y[cloud_idx[n_test:]]), "global_test": (x[cloud_idx[:n_test]], y[cloud_idx[:n_test]])}
+
+    if d.user_data:
+        ux, uy = datasets.load_user_data(paths.resolve(d.user_data), d, shown=d.user_data)
+        train_idx, hold_idx = _split_per_class(uy, rng, holdout_fraction=d.user_holdout_fraction)
+        source = f"own data: {d.user_data}"
+    else:
+        style = d.style
+        ux = datasets.render_style(
+            x[user_idx], slant_deg=style.slant_deg, stroke=style.stroke, jitter_deg=style.jitter_deg, shift=list(style.shift), rng=rng
+        )
+        uy = y[user_idx]
+        train_idx, hold_idx = _split_per_class(uy, rng, train_per_class=d.user_train_per_class)
+        source = "simulated: digits demo in the user's style"
+    splits["user_train"] = (ux[train_idx], uy[train_idx])
+    splits["user_holdout"] = (ux[hold_idx], uy[hold_idx])
+
+    out = paths.out("prepare")
+    for name in SPLITS:
+        sx, sy = splits[name]
+        save_npz(paths.split(name), x=np.ascontiguousarray(sx, np.float32), y=sy.astype(np.int64))
+    probe = _nearest_centroid(*splits["global_train"], d.num_classes)
+    metrics = {f"n_{name}": int(len(splits[name][1])) for name in SPLITS}
+    metrics["probe_acc_global_test"] = probe(*splits["global_test"])
+    metrics["probe_acc_user_holdout"] = probe(*splits["user_holdout"])
+    write_json(out / "summary.json", {
+        "source": source,
+        "style": {k: (list(v) if k == "shift" else v) for k, v in d.style.items()} if not d.user_data else None,
+        "classes": {name: np.bincount(splits[name][1], minlength=d.num_classes).tolist() for name in SPLITS},
+        "metrics": metrics,
+        "probe": "nearest centroid fit on global_train",
+    })
+    return metrics
+
+
+def _split_per_class(y: np.ndarray, rng: np.random.Generator, *, train_per_class: int | None = None, holdout_fraction: float | None = None):
+    """Indices (train, holdout), stratified by class and seeded."""
+    train, hold = [], []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        if train_per_class is not None:
+            k = min(train_per_class, len(idx) - 1) if len(idx) > 1 else len(idx)
+        else:
+            k = len(idx) - int(round(holdout_fraction * len(idx)))
+            k = min(max(k, 1), len(idx))
+        train.extend(idx[:k])
+        hold.extend(idx[k:])
+    if not train or not hold:
+        from pipeline.errors import DataError
+
+        raise DataError(f"the user's data has {len(y)} samples: too few for both a training set and a holdout")
+    return np.sort(np.array(train)), np.sort(np.array(hold))
+
+
+def _nearest_centroid(x: np.ndarray, y: np.ndarray, num_classes: int):
+    flat = x.reshape(len(x), -1)
+    centroids = np.stack([flat[y == c].mean(axis=0) if np.any(y == c) else np.full(flat.shape[1], np.inf) for c in range(num_classes)])
+
+    def accuracy(xs: np.ndarray, ys: np.ndarray) -> float:
+        dist = ((xs.reshape(len(xs), -1)[:, None, :] - centroids[None]) ** 2).sum(-1)
+        return float(np.mean(dist.argmin(axis=1) == ys))
+
+    return accuracy
+
+
+def main(argv=None) -> int:
+    from pipeline.stage import main as stage_main
+
+    return stage_main("prepare", run, argv, artifacts=["summary.json"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
