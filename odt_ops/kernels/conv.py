@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
 from odt_ops.kernels.registry import kernel
 
@@ -244,44 +244,85 @@ def _transpose_pads(X: np.ndarray, kernel: Sequence[int], *, strides, dilations,
     return list(begin), out
 
 
-def _col2im(X: np.ndarray, W: np.ndarray, group: int, strides, dilations, shift: Sequence[int],
-            size: Sequence[int]) -> np.ndarray:
-    """The transposed convolution of X by W on a (N, M, *size) image, input grid offset by ``shift``.
+def _phase_taps(lead: int, k: int, d: int, s: int) -> tuple[list[tuple[int, int, int]], int, int]:
+    """Along one axis, which kernel taps land on each stride phase.
 
-    A GEMM makes one column per (output channel, kernel tap, input position); col2im then
-    adds each tap's columns into the image at that tap's offset. To make every addition one
-    long contiguous run rather than many short rows, the image is kept in phase-major layout
-    (N, M, *strides, *blocks): coordinate ``p`` along an axis lives at phase ``p % s``,
-    block ``p // s``, so a tap whose offset is ``c*s + r`` adds the input grid at phase r,
-    shifted by c blocks. X is embedded in a grid as wide as the blocks (zero columns), so
-    that 2-D/3-D shift is a single flat offset; the zero columns spill harmless zeros.
+    Tap k lands at coordinate lead + k*d = c*s + r (block c, phase r). The taps of one
+    phase are evenly spaced, ``step`` taps apart, and their blocks ``shift`` apart; per
+    phase this gives (first tap, tap count, first block)."""
+    step = s // math.gcd(d, s)
+    firsts = {(lead + k0 * d) % s: k0 for k0 in range(min(step, k))}
+    phases = []
+    for r in range(s):
+        k0 = firsts.get(r)
+        phases.append((0, 0, 0) if k0 is None else (k0, len(range(k0, k, step)), (lead + k0 * d) // s))
+    return phases, step, step * d // s
+
+
+def _col2im(X: np.ndarray, W: np.ndarray, group: int, strides, dilations, first: Sequence[int],
+            out: Sequence[int]) -> np.ndarray:
+    """The transposed convolution of X by W, cropped to ``out`` positions from ``first`` on.
+
+    Tap k of input position h lands at coordinate h*s + k*d (per axis). A batched GEMM makes
+    one column block per (tap, output channel) and image; col2im sums, for every output
+    position, the columns of the taps that land there. Rather than one scattered addition
+    per tap (numpy adds short strided rows ~3x slower than contiguous ones), every output
+    phase (coordinate mod stride) is ONE sum over a strided view of the columns:
+    - X is embedded in a zero grid of ``blocks`` (coordinate // stride) per axis, so a tap
+      shifted by c blocks is the same columns read c blocks earlier, one flat offset
+      across all spatial axes; what it reads before a block's start is the zero margin
+      ending the previous block (or a zero guard before the buffer);
+    - within a phase the taps and their shifts are evenly spaced (``_phase_taps``), so the
+      view has one axis per spatial axis over those taps and np.sum reduces them.
     """
     N, C, *spatial = X.shape
-    kernel = W.shape[2:]
-    # tap k along an axis lands at shift + k*d + s*h = s*(h + c) + r, (c, r) = divmod(shift + k*d, s)
-    reach = [(h + (k - 1) * d) // s for h, k, d, s in zip(shift, kernel, dilations, strides)]
-    blocks = [max(n + c + (i == 0), -(-z // s))
-              for i, (n, c, z, s) in enumerate(zip(spatial, reach, size, strides))]
-    if blocks[1:] != spatial[1:]:
-        grid = np.zeros((N, C, spatial[0], *blocks[1:]), dtype=X.dtype)
-        grid[(..., *(slice(n) for n in spatial[1:]))] = X
+    kernel, taps = W.shape[2:], math.prod(W.shape[2:])
+    per_group = W.shape[1]
+    lead = [max(0, -f) for f in first]  # shifts coordinates so that none is negative
+    reach = [(ld + (k - 1) * d) // s for ld, k, d, s in zip(lead, kernel, dilations, strides)]
+    blocks = [max(n + c, -(-(ld + f + o) // s)) for n, c, ld, f, o, s in zip(spatial, reach, lead, first, out, strides)]
+    if blocks != spatial:
+        grid = np.zeros((N, C, *blocks), dtype=X.dtype)
+        grid[(..., *(slice(n) for n in spatial))] = X
         X = grid
-    positions = math.prod(X.shape[2:])
-    Wt = W.reshape(group, C // group, -1).transpose(0, 2, 1)  # (group, M/group * taps, C/group)
-    cols = np.empty((N, group, Wt.shape[1], positions), dtype=np.result_type(X, W))
-    np.matmul(Wt, X.reshape(N, group, C // group, positions), out=cols)
-    M = W.shape[1] * group
-    cols = cols.reshape(N, M, math.prod(kernel), positions)
-    image = np.zeros((N, M, *strides, math.prod(blocks)), dtype=cols.dtype)
+    area = math.prod(blocks)
     block_strides = [math.prod(blocks[i + 1:]) for i in range(len(blocks))]
-    for tap, offset in enumerate(np.ndindex(*kernel)):
-        c, r = zip(*(divmod(h + k * d, s) for h, k, d, s in zip(shift, offset, dilations, strides)))
-        start = sum(ci * bs for ci, bs in zip(c, block_strides))
-        image[(slice(None), slice(None), *r, slice(start, start + positions))] += cols[:, :, tap]
-    rank = len(blocks)
-    # back to natural layout: interleave (phase, block) as block * s + phase (a view when all s == 1)
-    image = image.reshape(N, M, *strides, *blocks).transpose(0, 1, *(a for i in range(rank) for a in (2 + rank + i, 2 + i)))
-    return image.reshape(N, M, *(b * s for b, s in zip(blocks, strides)))
+    row = per_group * area  # one (image, group, tap) column block
+    guard = sum(c * bs for c, bs in zip(reach, block_strides))
+    dtype = np.result_type(X, W)
+    buffer = np.empty(guard + N * group * taps * row, dtype=dtype)
+    buffer[:guard] = 0
+    # weights as (group, tap, out channel, in channel): each tap's columns are one contiguous block
+    Wt = W.reshape(group, C // group, per_group, taps).transpose(0, 3, 2, 1).reshape(group, taps * per_group, C // group)
+    np.matmul(Wt, X.reshape(N, group, C // group, area), out=buffer[guard:].reshape(N, group, taps * per_group, area))
+    per_axis = [_phase_taps(ld, k, d, s) for ld, k, d, s in zip(lead, kernel, dilations, strides)]
+    tap_strides = [math.prod(kernel[i + 1:]) for i in range(len(kernel))]
+    jumps = [(step * ts * row - shift * bs) * dtype.itemsize
+             for (_, step, shift), ts, bs in zip(per_axis, tap_strides, block_strides)]
+    Y = np.empty((N, group * per_group, *out), dtype=dtype)
+    for phase in np.ndindex(*strides):
+        # output j along an axis is coordinate lead + first + j: phase (lead + first + j) % s
+        firsts = [(ph - ld - f) % s for ph, ld, f, s in zip(phase, lead, first, strides)]
+        counts = [len(range(j, o, s)) for j, o, s in zip(firsts, out, strides)]
+        if 0 in counts:
+            continue  # no output position has this phase
+        target = (..., *(slice(j, o, s) for j, o, s in zip(firsts, out, strides)))
+        chosen = [phases[ph] for (phases, _, _), ph in zip(per_axis, phase)]
+        if any(count == 0 for _, count, _ in chosen):
+            Y[target] = 0  # no tap lands on this phase
+            continue
+        origin = guard + sum(k0 * ts for (k0, _, _), ts in zip(chosen, tap_strides)) * row \
+            - sum(c0 * bs for (_, _, c0), bs in zip(chosen, block_strides))
+        view = as_strided(
+            buffer[origin:],
+            shape=(N, group, *(count for _, count, _ in chosen), row),
+            strides=(group * taps * row * dtype.itemsize, taps * row * dtype.itemsize, *jumps, dtype.itemsize),
+            writeable=False,
+        )
+        plane = view.sum(axis=tuple(range(2, 2 + len(kernel)))).reshape(N, group * per_group, *blocks)
+        starts = [(ld + f + j) // s for ld, f, j, s in zip(lead, first, firsts, strides)]
+        Y[target] = plane[(..., *(slice(b, b + n) for b, n in zip(starts, counts)))]
+    return Y
 
 
 @kernel("ConvTranspose", since=1)
@@ -301,10 +342,7 @@ def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, 
     begin, out = _transpose_pads(X, kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
                                  output_padding=output_padding, output_shape=output_shape)
     Xc, Wc, Bc = _wide(X, W, B)
-    # a negative pad (output_shape larger than the columns reach) starts the output before the input grid
-    shift = [max(0, -b) for b in begin]
-    image = _col2im(Xc, Wc, group, strides, dilations, shift, [h + b + o for h, b, o in zip(shift, begin, out)])
-    Y = image[(..., *(slice(h + b, h + b + o) for h, b, o in zip(shift, begin, out)))]  # image is ours: add in place
+    Y = _col2im(Xc, Wc, group, strides, dilations, begin, out)
     if Bc is not None:
         Y += Bc.reshape(-1, *(1,) * rank)
     return (Y.astype(X.dtype, copy=False),)
