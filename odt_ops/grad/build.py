@@ -143,6 +143,8 @@ class _Walk:
         b = GraphBuilder(taken=taken, opset=self.opset, types=self.types, constants=self.initializers, prefix="grad")
         pending: dict[str, list[str]] = {}  # value -> gradient contributions
         errors: list[str] = []
+        if self.wrt and self.loss not in self.active:
+            raise GradientError(f"loss {self.loss!r} does not depend on any of the parameters {self.wrt}")
         if self.loss in self.active:
             pending[self.loss] = [_seed(b, self.loss)]
         for node in reversed(self.path):
@@ -161,7 +163,8 @@ class _Walk:
             with b.scope(f"{p}_total"):
                 totals[p] = _total(b, pending.get(p), p) or _zeros(b, p)
         shared = Counter(totals.values())
-        grads = {p: _named(b, g, grad_names.get(p, f"{p}_grad"), rename=shared[g] == 1) for p, g in totals.items()}
+        read = {i for n in b.nodes for i in n.input}
+        grads = {p: _named(b, g, grad_names.get(p, f"{p}_grad"), rename=shared[g] == 1, read=read) for p, g in totals.items()}
         return Gradients(b.nodes, b.initializers, grads)
 
     def _apply(self, b: GraphBuilder, node: onnx.NodeProto, out_grads: list, needs: tuple[bool, ...], pending: dict) -> None:
@@ -256,12 +259,12 @@ def _zeros(b: GraphBuilder, p: str) -> str:
     return b.ConstantOfShape(dims, value=np.zeros((1,), dtype=dtype))
 
 
-def _named(b: GraphBuilder, g: str, target: str, *, rename: bool) -> str:
+def _named(b: GraphBuilder, g: str, target: str, *, rename: bool, read: set[str]) -> str:
     """Make the gradient ``g`` available under the name ``target`` (renaming its producer if
     nothing else reads it, else with an Identity)."""
     if b.taken(target):
         raise GradientError(f"gradient name {target!r} is already a value of the graph")
-    if rename and b.rename(g, target):
+    if rename and b.rename(g, target, read=read):
         return target
     node = helper.make_node("Identity", [g], [target], name=b.fresh(f"{target}/Identity"))
     b.nodes.append(node)

@@ -80,6 +80,24 @@ def _spec_defaults(domain: str, op_type: str, opset: int) -> dict[str, Any]:
     return {name: attribute_value(a.default_value) for name, a in schema.attributes.items() if a.default_value.name}
 
 
+@lru_cache(maxsize=None)
+def _max_inputs(domain: str, op_type: str, opset: int) -> int | None:
+    """How many inputs the schema allows; None when variadic or unknown."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except onnx.defs.SchemaError:
+        return None
+    return None if schema.max_input > 64 else schema.max_input
+
+
+@lru_cache(maxsize=None)
+def _output_names(domain: str, op_type: str, opset: int) -> tuple[str, ...]:
+    try:
+        return tuple(o.name for o in onnx.defs.get_schema(op_type, opset, domain).outputs)
+    except onnx.defs.SchemaError:
+        return ()
+
+
 def attributes_with_defaults(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
     """The node's attributes, with the spec's defaults for the ones it leaves out."""
     return {**_spec_defaults(node.domain, node.op_type, opset), **node_attributes(node)}
@@ -117,16 +135,15 @@ class GradContext:
         while len(self.node.output) <= i:
             self.node.output.append("")
         if not self.node.output[i]:
-            self.node.output[i] = self.b.fresh(f"{self.node.name or self.node.op_type}/output{i}")
+            label = _output_names(self.node.domain, self.node.op_type, self.opset)
+            label = label[i] if i < len(label) else f"output{i}"
+            self.node.output[i] = self.b.fresh(f"{self.node.name or self.node.op_type}/{label}", scoped=False)
             self.b.infer(self.node)
         return self.node.output[i]
 
     def _max_inputs(self) -> int:
-        try:
-            schema = onnx.defs.get_schema(self.node.op_type, self.opset, self.node.domain)
-        except onnx.defs.SchemaError:
-            return len(self.node.input)
-        return len(self.node.input) if schema.max_input > 64 else max(schema.max_input, len(self.node.input))
+        most = _max_inputs(self.node.domain, self.node.op_type, self.opset)
+        return len(self.node.input) if most is None else max(most, len(self.node.input))
 
     def fail(self, reason: str) -> GradientError:
         return GradientError(f"{self.node.op_type} node {self.node.name!r}: {reason}")

@@ -60,9 +60,10 @@ class GraphBuilder:
         finally:
             self._prefix = outer
 
-    def fresh(self, hint: str) -> str:
-        """A name nothing else in the graph uses, ``<scope>/<hint>`` if free."""
-        base = f"{self._prefix}/{hint}" if self._prefix else hint
+    def fresh(self, hint: str, *, scoped: bool = True) -> str:
+        """A name nothing else in the graph uses: ``<scope>/<hint>`` (or ``hint`` when not
+        ``scoped``) if that is free, else with a numeric suffix."""
+        base = f"{self._prefix}/{hint}" if self._prefix and scoped else hint
         name, k = base, 1
         while name in self._taken:
             name = f"{base}_{k}"
@@ -111,9 +112,12 @@ class GraphBuilder:
             self._shared[key] = name
         return name
 
-    def rename(self, old: str, new: str) -> bool:
-        """Give the value ``old`` (produced by an emitted node, read by none) the name ``new``."""
-        if new in self._taken or any(old in n.input for n in self.nodes):
+    def rename(self, old: str, new: str, *, read: set[str] | None = None) -> bool:
+        """Give the value ``old`` (produced by an emitted node, read by none) the name ``new``.
+        ``read`` may pass the names emitted nodes read, when renaming many values."""
+        if read is None:
+            read = {i for n in self.nodes for i in n.input}
+        if new in self._taken or old in read:
             return False
         for node in reversed(self.nodes):
             if old in node.output:

@@ -757,3 +757,65 @@ def test_registry_lists_the_priority_ops():
                  "Flatten Transpose Squeeze Unsqueeze Concat Split Slice Gather GatherElements GatherND Expand Tile Pad "
                  "SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss".split())
     assert wanted <= set(registered_gradients()), sorted(wanted - set(registered_gradients()))
+
+
+def test_loss_must_depend_on_a_parameter():
+    model = make_model([node("Relu", ["X"], ["Y"]), node("Relu", ["Z"], ["L"])], {"X": np.ones((2, 2)), "Z": np.ones((2, 2))}, outputs=["Y", "L"])
+    with pytest.raises(GradientError, match="does not depend"):
+        build_gradients(model, "L", ["X"])
+
+
+def test_optional_forward_outputs_are_added_and_named():
+    """Dropout's mask is reused, not recomputed: the forward node gains a readable output."""
+    model = make_model([node("Dropout", ["X", "", "T"], ["Y"])], {"X": np.ones((2, 2))}, initializers={"T": np.array(True)})
+    nodes, _, _ = build_gradients(model, "Y", ["X"])
+    forward = model.graph.node[0]
+    assert list(forward.output) == ["Y", "Dropout_Y/mask"]
+    assert any("Dropout_Y/mask" in n.input for n in nodes)
+
+
+# ----- a second executor: the gradient graphs are plain ONNX, so onnxruntime runs them too -----
+
+
+def _mlp(rng):
+    nodes = [node("Gemm", ["X", "W1", "B1"], ["H"], transB=1), node("Relu", ["H"], ["R"]),
+             node("Gemm", ["R", "W2", "B2"], ["S"]), node("SoftmaxCrossEntropyLoss", ["S", "L"], ["Y"])]
+    feeds = {"X": rng.standard_normal((4, 3)), "W1": rng.standard_normal((5, 3)), "B1": rng.standard_normal(5),
+             "W2": rng.standard_normal((5, 2)), "B2": rng.standard_normal(2), "L": rng.integers(0, 2, 4)}
+    return nodes, feeds, ["W1", "B1", "W2", "B2"]
+
+
+def _elementwise(rng):
+    nodes = [node("Mul", ["X", "A"], ["M"]), node("Div", ["M", "P"], ["D"]), node("Sigmoid", ["D"], ["S"]),
+             node("Pow", ["P", "A"], ["Q"]), node("Sub", ["S", "Q"], ["T"]), node("Max", ["T", "X"], ["U"]),
+             node("Where", ["C", "U", "A"], ["V"]), node("Clip", ["V", "lo"], ["Y"])]
+    feeds = {"X": rng.standard_normal((3, 4)), "A": rng.standard_normal(4), "P": rng.uniform(0.5, 2, (1, 4)),
+             "C": rng.random((3, 4)) > 0.5, "lo": np.array(-0.3)}
+    return nodes, feeds, ["X", "A", "P"]
+
+
+def _shapes(rng):
+    nodes = [node("Reshape", ["X", "s"], ["R"]), node("Transpose", ["R"], ["T"], perm=[1, 0, 2]),
+             node("Slice", ["T", "st", "en", "ax", "sp"], ["S"]), node("Pad", ["S", "pads"], ["P"], mode="reflect"),
+             node("Gather", ["P", "idx"], ["G"], axis=2), node("Concat", ["G", "G"], ["C"], axis=0),
+             node("Softmax", ["C"], ["Y"], axis=1)]
+    feeds = {"X": rng.standard_normal((2, 12)), "s": np.array([2, 3, 4]), "st": np.array([3]), "en": np.array([-5]),
+             "ax": np.array([2]), "sp": np.array([-1]), "pads": np.array([0, 0, 1, 0, 0, 2]), "idx": np.array([0, 2, 2, 1])}
+    return nodes, feeds, ["X"]
+
+
+@pytest.mark.parametrize("build", [_mlp, _elementwise, _shapes], ids=["mlp", "elementwise", "shapes"])
+def test_gradient_graphs_run_in_onnxruntime(build):
+    ort = pytest.importorskip("onnxruntime")
+    from tests.odt_ops.gradcheck import compile_model, training_model
+
+    nodes, feeds, wrt = build(np.random.default_rng(0))
+    feeds = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in feeds.items()}
+    model = make_model(nodes, feeds, symbolic={"X"})
+    full, grads = training_model(with_projection_loss(model, feeds), wrt)
+    names = ["loss", *[grads[p] for p in wrt]]
+    ours = compile_model(full, list(feeds), names)(feeds)
+    session = ort.InferenceSession(full.SerializeToString(), providers=["CPUExecutionProvider"])
+    theirs = session.run(names, feeds)
+    for name, a, b in zip(names, ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
