@@ -143,6 +143,7 @@ def generate_artifacts(
         raise UnsupportedOpError(missing, what="kernel or gradient rule")
     out_dir = Path(artifact_directory if artifact_directory is not None else os.getcwd())
     loss_block = _loss_block(loss)
+    opt = _optimizer(optimizer) if optimizer is not None else None
     extra = list(additional_output_names or [])
 
     eval_model = _with_loss(forward, split, loss_block, loss_input_names, extra, training=False)
@@ -164,17 +165,16 @@ def generate_artifacts(
         buffer_updates=buffer_updates,
         inference_outputs=[o.name for o in forward.graph.output],
     )
-    paths = {}
+    models = {}
     for kind, proto in (("training_model", train_model), ("eval_model", eval_model)):
         meta.write(proto, info)
-        _finish(proto, f"{prefix}{kind}.onnx")
+        models[kind] = _finish(proto, f"{prefix}{kind}.onnx")
+    if opt is not None:
+        models["optimizer_model"] = build_optimizer_model(opt, {n: arrays[n] for n in split.trainable})
+    paths = {}
+    for kind, proto in models.items():  # written only once every model is built and checked
         paths[kind] = out_dir / f"{prefix}{kind}.onnx"
         save_model(proto, paths[kind])
-    if optimizer is not None:
-        opt = _optimizer(optimizer)
-        proto = build_optimizer_model(opt, {n: arrays[n] for n in split.trainable})
-        paths["optimizer_model"] = out_dir / f"{prefix}optimizer_model.onnx"
-        save_model(proto, paths["optimizer_model"])
     ckpt = Checkpoint(
         parameters={n: np.asarray(arrays[n]) for n in (*split.trainable, *split.frozen)},
         requires_grad={**{n: True for n in split.trainable}, **{n: False for n in split.frozen}},
