@@ -176,31 +176,76 @@ def _conv_geometry(X: np.ndarray, W: np.ndarray, kernel_shape, group: int, **win
     return _geometry(X.shape[2:], W.shape[2:], **window)
 
 
-def _conv_gemm(Xp: np.ndarray, W: np.ndarray, geo: _Geometry, group: int) -> np.ndarray:
-    """im2col + one batched GEMM: (N, group, M/group, positions)."""
+def _add_bias(Y: np.ndarray, B: np.ndarray) -> None:
+    """Y (N, M, ...) += B per channel, in place. The bias is spelled out over one image first:
+    numpy adds a broadcast one row by short row, ~2x slower than one (M * spatial) run."""
+    Y += np.repeat(B, math.prod(Y.shape[2:])).reshape(Y.shape[1:])
+
+
+def _conv_gemm(Xp: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometry, group: int) -> np.ndarray:
+    """im2col + one batched GEMM, straight into (N, M, positions).
+
+    The im2col copy goes into a buffer with one extra row of ones when there is a bias,
+    so the GEMM adds the bias (as an extra weight column) for the price of that row."""
     N, C = Xp.shape[:2]
-    M, taps = W.shape[0], math.prod(geo.kernel)
-    rank = len(geo.kernel)
-    windows = _windows(Xp, geo)  # (N, C, *out, *kernel)
-    channel_major = windows.transpose(0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
-    cols = channel_major.reshape(N, group, C // group * taps, math.prod(geo.out))  # the im2col copy
-    Y = np.empty((N, group, M // group, cols.shape[-1]), dtype=np.result_type(Xp, W))
-    np.matmul(W.reshape(group, M // group, -1), cols, out=Y)
+    M, taps, positions = W.shape[0], math.prod(geo.kernel), math.prod(geo.out)
+    rows = C // group * taps
+    weights = W.reshape(group, M // group, rows)
+    if taps == 1 and Xp.shape[2:] == geo.out:
+        cols = Xp.reshape(N, group, rows, positions)  # pointwise: the input is its own im2col
+    else:
+        rank = len(geo.kernel)
+        windows = _windows(Xp, geo)  # (N, C, *out, *kernel)
+        channel_major = windows.transpose(0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
+        cols = np.empty((N, group, rows + (B is not None), positions), dtype=Xp.dtype)
+        np.copyto(cols[:, :, :rows].reshape(N, group, C // group, *geo.kernel, *geo.out),
+                  channel_major.reshape(N, group, C // group, *geo.kernel, *geo.out))
+        if B is not None:
+            cols[:, :, rows] = 1
+            weights = np.concatenate([weights, B.reshape(group, M // group, 1)], axis=2)
+            B = None
+    Y = np.empty((N, group, M // group, positions), dtype=np.result_type(Xp, W))
+    np.matmul(weights, cols, out=Y)
+    Y = Y.reshape(N, M, positions)
+    if B is not None:
+        _add_bias(Y, B)
     return Y
 
 
-def _conv_depthwise(Xp: np.ndarray, W: np.ndarray, geo: _Geometry, group: int) -> np.ndarray:
-    """One input channel per group: accumulate weight * shifted input over kernel offsets."""
+def _conv_depthwise(Xp: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometry, group: int) -> np.ndarray:
+    """One input channel per group: accumulate weight * shifted input over kernel offsets.
+
+    At stride 1 the padded planes are flattened, so a tap is one flat offset and every
+    multiply-add runs over whole planes (numpy is ~3x slower on short strided rows); the
+    columns computed past each output row are cropped at the end."""
     N = Xp.shape[0]
     per_group = W.shape[0] // group
-    taps = W.reshape(group, per_group, -1)
-    Y = np.zeros((N, group, per_group, *geo.out), dtype=np.result_type(Xp, W))
-    term = np.empty_like(Y)
-    trailing = (1,) * len(geo.out)
-    for i, window in enumerate(_offset_slices(Xp, geo)):
-        np.multiply(window[:, :, None], taps[:, :, i].reshape(group, per_group, *trailing), out=term)
+    weights = W.reshape(group, per_group, -1)[..., None]  # (group, M/group, taps, 1)
+    if all(s == 1 for s in geo.strides):
+        grid = Xp.shape[2:]
+        plane_strides = [math.prod(grid[i + 1:]) for i in range(len(grid))]
+        offsets = [sum(k * d * ps for k, d, ps in zip(offset, geo.dilations, plane_strides))
+                   for offset in np.ndindex(*geo.kernel)]
+        span = geo.out[0] * plane_strides[0]
+        flat = np.zeros((N, group, 1, span + max(offsets)), dtype=np.result_type(Xp, W))
+        flat[..., : math.prod(grid)] = Xp.reshape(N, group, 1, -1)
+        taps = (flat[..., o: o + span] for o in offsets)
+    else:
+        taps = (window[:, :, None].reshape(N, group, 1, -1) for window in _offset_slices(Xp, geo))
+    Y = term = None
+    for i, tap in enumerate(taps):
+        if Y is None:
+            Y = tap * weights[:, :, i]
+            term = np.empty_like(Y)
+            continue
+        np.multiply(tap, weights[:, :, i], out=term)
         Y += term
-    return Y.reshape(N, group, per_group, -1)
+    if all(s == 1 for s in geo.strides):
+        Y = Y.reshape(N, group, per_group, geo.out[0], *grid[1:])[(..., *(slice(o) for o in geo.out[1:]))]
+    Y = np.ascontiguousarray(Y).reshape(N, W.shape[0], -1)
+    if B is not None:
+        _add_bias(Y, B)
+    return Y
 
 
 @kernel("Conv", since=1)
@@ -208,9 +253,7 @@ def conv(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     geo = _conv_geometry(X, W, kernel_shape, group, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad)
     Xp, Wc, Bc = _wide(_pad_for_windows(X, geo, 0), W, B)
     depthwise = group > 1 and W.shape[1] == 1
-    Y = (_conv_depthwise if depthwise else _conv_gemm)(Xp, Wc, geo, group)  # (N, group, M/group, positions)
-    if Bc is not None:
-        Y += Bc.reshape(group, -1, 1)
+    Y = (_conv_depthwise if depthwise else _conv_gemm)(Xp, Wc, Bc, geo, group)  # (N, M, positions)
     return (Y.reshape(X.shape[0], W.shape[0], *geo.out).astype(X.dtype, copy=False),)
 
 
@@ -344,7 +387,7 @@ def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, 
     Xc, Wc, Bc = _wide(X, W, B)
     Y = _col2im(Xc, Wc, group, strides, dilations, begin, out)
     if Bc is not None:
-        Y += Bc.reshape(-1, *(1,) * rank)
+        _add_bias(Y, Bc)
     return (Y.astype(X.dtype, copy=False),)
 
 
