@@ -5,19 +5,21 @@ share one geometry helper that resolves kernel/strides/dilations/pads/auto_pad i
 per-axis numbers, and one padding helper that pads exactly as far as the windows
 reach (no copy at all when they stay inside the input).
 
-Speed notes:
+Speed notes (numpy is ~3x slower on ufuncs over short strided rows than over long
+contiguous runs, so most of what follows is about layouts):
 - Conv is im2col: a strided window view of the padded input, copied once into
-  (N, group, C/group * kernel, positions) and multiplied by the weights with one
-  batched matmul, which lands directly in NCHW. Depthwise-like convolutions (one
-  input channel per group) skip the GEMM: a handful of multiply-adds over the kernel
-  offsets beats N*group tiny GEMMs.
-- ConvTranspose is the transpose of that: one GEMM to columns, then col2im as one
-  contiguous slice addition per kernel offset (see ``_col2im`` for the layout trick).
+  (N, group, C/group * kernel + 1, positions) whose last row is ones, then one batched
+  matmul against the weights with the bias as an extra column, landing directly in
+  NCHW. At stride 1 the windows are read from flattened padded planes, one flat offset
+  per kernel tap (``_flat_planes``), so the copy moves long runs. Depthwise convolutions
+  skip the GEMM (N*group tiny GEMMs are slow) and multiply-add whole shifted planes.
+- ConvTranspose is one batched GEMM to columns, then col2im as one np.sum over a
+  strided view of the columns per output phase (see ``_col2im``), not one scattered
+  addition per kernel tap.
 - Pools are separable: a box max or sum is reduced one spatial axis at a time with
   whole-array ufuncs on strided slices (sum(kernel) calls, not prod(kernel)); reducing
-  the trailing axes of a window view instead was measured ~50x slower.
-- Outputs of matmul are preallocated and filled with ``out=``: letting numpy allocate
-  them was measured slower on freshly-written operands.
+  the trailing axes of a window view instead was measured ~50x slower. MaxPool's
+  Indices ride along the same passes, selected by arithmetic rather than np.where.
 """
 from __future__ import annotations
 
@@ -123,16 +125,43 @@ def _geometry(spatial: Sequence[int], kernel: Sequence[int], *, strides, dilatio
     return _Geometry(tuple(kernel), strides, dilations, tuple(begin), tuple(end), tuple(out))
 
 
+def _pad_into(target: np.ndarray, X: np.ndarray, geo: _Geometry) -> None:
+    """Copy X into a (N, C, *reach) canvas already filled with the padding value."""
+    keep = [min(n, r - b) for n, r, b in zip(X.shape[2:], geo.reach, geo.begin)]
+    target[(..., *(slice(b, b + k) for b, k in zip(geo.begin, keep)))] = X[(..., *(slice(k) for k in keep))]
+
+
 def _pad_for_windows(X: np.ndarray, geo: _Geometry, fill) -> np.ndarray:
     """X padded with ``fill`` exactly as far as the windows read (cropped where they stop short)."""
-    spatial = X.shape[2:]
     reach = geo.reach
-    if not any(geo.begin) and all(r <= n for r, n in zip(reach, spatial)):
+    if not any(geo.begin) and all(r <= n for r, n in zip(reach, X.shape[2:])):
         return X[(..., *(slice(r) for r in reach))]  # a view: no window touches padding
     padded = np.full(X.shape[:2] + reach, fill, dtype=X.dtype)
-    keep = [min(n, r - b) for n, r, b in zip(spatial, reach, geo.begin)]
-    padded[(..., *(slice(b, b + k) for b, k in zip(geo.begin, keep)))] = X[(..., *(slice(k) for k in keep))]
+    _pad_into(padded, X, geo)
     return padded
+
+
+def _flat_planes(X: np.ndarray, geo: _Geometry) -> tuple[np.ndarray, list[int], int]:
+    """Stride-1 windows as flat offsets: (zero-padded flat planes, offset per kernel tap, span).
+
+    With each padded (n, c) grid flattened, kernel tap k reads the plane shifted by one
+    flat offset. Computing every output row across the full padded row width (``span``
+    positions per plane) turns 2-D/3-D windows into long contiguous runs, for the price
+    of a few columns past each output row, which ``_crop_flat`` drops at the end."""
+    reach = geo.reach
+    plane_strides = [math.prod(reach[i + 1:]) for i in range(len(reach))]
+    offsets = [sum(k * d * ps for k, d, ps in zip(offset, geo.dilations, plane_strides))
+               for offset in np.ndindex(*geo.kernel)]
+    span = geo.out[0] * plane_strides[0]
+    flat = np.zeros((*X.shape[:2], span + max(offsets)), dtype=X.dtype)  # the tail covers the last tap's reads
+    _pad_into(flat[..., : math.prod(reach)].reshape(*X.shape[:2], *reach), X, geo)
+    return flat, offsets, span
+
+
+def _crop_flat(Y: np.ndarray, geo: _Geometry) -> np.ndarray:
+    """(N, M, span) results of ``_flat_planes`` windows as a contiguous (N, M, positions)."""
+    rows = Y.reshape(*Y.shape[:2], geo.out[0], *geo.reach[1:])
+    return np.ascontiguousarray(rows[(..., *(slice(o) for o in geo.out[1:]))]).reshape(*Y.shape[:2], -1)
 
 
 def _offset_slices(Xp: np.ndarray, geo: _Geometry) -> Iterator[np.ndarray]:
@@ -182,56 +211,66 @@ def _add_bias(Y: np.ndarray, B: np.ndarray) -> None:
     Y += np.repeat(B, math.prod(Y.shape[2:])).reshape(Y.shape[1:])
 
 
-def _conv_gemm(Xp: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometry, group: int) -> np.ndarray:
+def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometry, group: int) -> np.ndarray:
     """im2col + one batched GEMM, straight into (N, M, positions).
 
     The im2col copy goes into a buffer with one extra row of ones when there is a bias,
-    so the GEMM adds the bias (as an extra weight column) for the price of that row."""
-    N, C = Xp.shape[:2]
-    M, taps, positions = W.shape[0], math.prod(geo.kernel), math.prod(geo.out)
+    so the GEMM adds the bias (as an extra weight column) for the price of that row.
+    At stride 1 the columns may come from flat planes (``_flat_planes``): the copy then
+    moves long runs instead of output rows."""
+    N, C = X.shape[:2]
+    M, taps = W.shape[0], math.prod(geo.kernel)
     rows = C // group * taps
     weights = W.reshape(group, M // group, rows)
-    if taps == 1 and Xp.shape[2:] == geo.out:
-        cols = Xp.reshape(N, group, rows, positions)  # pointwise: the input is its own im2col
+    unit = all(s == 1 for s in geo.strides)
+    if taps == 1 and unit and not any(geo.begin) and X.shape[2:] == geo.out:
+        cols, flat = X.reshape(N, group, rows, -1), False  # pointwise: the input is its own im2col
     else:
-        rank = len(geo.kernel)
-        windows = _windows(Xp, geo)  # (N, C, *out, *kernel)
-        channel_major = windows.transpose(0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
-        cols = np.empty((N, group, rows + (B is not None), positions), dtype=Xp.dtype)
-        np.copyto(cols[:, :, :rows].reshape(N, group, C // group, *geo.kernel, *geo.out),
-                  channel_major.reshape(N, group, C // group, *geo.kernel, *geo.out))
+        # flat columns trade the im2col copy's N*C*taps*rows short rows for a crop of the output's
+        # N*M*rows short rows (and a few more GEMM columns): worth it when M is well below C*taps
+        flat = unit and len(geo.kernel) > 1 and 2 * M <= C * taps
+        if flat:
+            planes, _, span = _flat_planes(X, geo)
+            plane_strides = [math.prod(geo.reach[i + 1:]) * X.itemsize for i in range(len(geo.kernel))]
+            windows = as_strided(planes, shape=(N, C, *geo.kernel, span), writeable=False,
+                                 strides=(*planes.strides[:2], *(d * ps for d, ps in zip(geo.dilations, plane_strides)),
+                                          X.itemsize))
+            grid = (span,)
+        else:
+            rank = len(geo.kernel)
+            windows = _windows(_pad_for_windows(X, geo, 0), geo)  # (N, C, *out, *kernel)
+            windows = windows.transpose(0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
+            grid = geo.out
+        cols = np.empty((N, group, rows + (B is not None), math.prod(grid)), dtype=X.dtype)
+        np.copyto(cols[:, :, :rows].reshape(N, group, C // group, *geo.kernel, *grid),
+                  windows.reshape(N, group, C // group, *geo.kernel, *grid))
         if B is not None:
             cols[:, :, rows] = 1
             weights = np.concatenate([weights, B.reshape(group, M // group, 1)], axis=2)
             B = None
-    Y = np.empty((N, group, M // group, positions), dtype=np.result_type(Xp, W))
+    Y = np.empty((N, group, M // group, cols.shape[-1]), dtype=np.result_type(X, W))
     np.matmul(weights, cols, out=Y)
-    Y = Y.reshape(N, M, positions)
+    Y = Y.reshape(N, M, -1)
+    if flat:
+        Y = _crop_flat(Y, geo)
     if B is not None:
         _add_bias(Y, B)
     return Y
 
 
-def _conv_depthwise(Xp: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometry, group: int) -> np.ndarray:
+def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometry, group: int) -> np.ndarray:
     """One input channel per group: accumulate weight * shifted input over kernel offsets.
 
-    At stride 1 the padded planes are flattened, so a tap is one flat offset and every
-    multiply-add runs over whole planes (numpy is ~3x slower on short strided rows); the
-    columns computed past each output row are cropped at the end."""
-    N = Xp.shape[0]
+    At stride 1 every multiply-add runs over whole flat planes (``_flat_planes``)."""
+    N = X.shape[0]
     per_group = W.shape[0] // group
     weights = W.reshape(group, per_group, -1)[..., None]  # (group, M/group, taps, 1)
-    if all(s == 1 for s in geo.strides):
-        grid = Xp.shape[2:]
-        plane_strides = [math.prod(grid[i + 1:]) for i in range(len(grid))]
-        offsets = [sum(k * d * ps for k, d, ps in zip(offset, geo.dilations, plane_strides))
-                   for offset in np.ndindex(*geo.kernel)]
-        span = geo.out[0] * plane_strides[0]
-        flat = np.zeros((N, group, 1, span + max(offsets)), dtype=np.result_type(Xp, W))
-        flat[..., : math.prod(grid)] = Xp.reshape(N, group, 1, -1)
-        taps = (flat[..., o: o + span] for o in offsets)
+    flat = all(s == 1 for s in geo.strides)
+    if flat:
+        planes, offsets, span = _flat_planes(X, geo)
+        taps = (planes[:, :, None, o: o + span] for o in offsets)
     else:
-        taps = (window[:, :, None].reshape(N, group, 1, -1) for window in _offset_slices(Xp, geo))
+        taps = (window[:, :, None].reshape(N, group, 1, -1) for window in _offset_slices(_pad_for_windows(X, geo, 0), geo))
     Y = term = None
     for i, tap in enumerate(taps):
         if Y is None:
@@ -240,9 +279,9 @@ def _conv_depthwise(Xp: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _G
             continue
         np.multiply(tap, weights[:, :, i], out=term)
         Y += term
-    if all(s == 1 for s in geo.strides):
-        Y = Y.reshape(N, group, per_group, geo.out[0], *grid[1:])[(..., *(slice(o) for o in geo.out[1:]))]
-    Y = np.ascontiguousarray(Y).reshape(N, W.shape[0], -1)
+    Y = Y.reshape(N, W.shape[0], -1)
+    if flat:
+        Y = _crop_flat(Y, geo)
     if B is not None:
         _add_bias(Y, B)
     return Y
@@ -251,9 +290,9 @@ def _conv_depthwise(Xp: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _G
 @kernel("Conv", since=1)
 def conv(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
     geo = _conv_geometry(X, W, kernel_shape, group, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad)
-    Xp, Wc, Bc = _wide(_pad_for_windows(X, geo, 0), W, B)
+    Xc, Wc, Bc = _wide(X, W, B)
     depthwise = group > 1 and W.shape[1] == 1
-    Y = (_conv_depthwise if depthwise else _conv_gemm)(Xp, Wc, Bc, geo, group)  # (N, M, positions)
+    Y = (_conv_depthwise if depthwise else _conv_gemm)(Xc, Wc, Bc, geo, group)  # (N, M, positions)
     return (Y.reshape(X.shape[0], W.shape[0], *geo.out).astype(X.dtype, copy=False),)
 
 
@@ -273,8 +312,8 @@ def _transpose_pads(X: np.ndarray, kernel: Sequence[int], *, strides, dilations,
             out = [n * s for n, s in zip(spatial, strides)]
         else:
             out = [int(v) for v in output_shape][-rank:]  # some exporters include N and C
-            if len(out) != rank:
-                raise ValueError(f"output_shape {list(output_shape)} must give the {rank} spatial sizes")
+            if len(out) != rank or min(out) < 1:
+                raise ValueError(f"output_shape {list(output_shape)} must give {rank} positive spatial sizes")
         # pads follow from the requested size; SAME_UPPER puts the odd one at the end
         begin = [_split_pad(f - o, auto_pad)[0] for f, o in zip(full, out)]
         return begin, out
