@@ -64,7 +64,9 @@ def build_gradients(
     return walk.run(grad_names or {})
 
 
-def missing_gradients(model: Model | onnx.ModelProto, wrt: Sequence[str], loss_name: str | None = None) -> dict[tuple[str, str, int], list[str]]:
+def missing_gradients(
+    model: Model | onnx.ModelProto, wrt: Sequence[str], loss_name: str | None = None
+) -> dict[tuple[str, str, int], list[str]]:
     """Every node on a differentiable path from ``wrt`` to the loss (or, without a loss, to
     any graph output) that lacks a kernel or a gradient rule: (domain, op, opset) -> node names.
 
@@ -88,7 +90,9 @@ class _Walk:
         self.graph = proto.graph
         self.opset = default_opset(proto)
         if self.opset < MIN_OPSET:
-            raise GradientError(f"gradients need opset >= {MIN_OPSET}, the model has {self.opset}; load it with odt_ops.load_model to convert it")
+            raise GradientError(
+                f"gradients need opset >= {MIN_OPSET}, the model has {self.opset}; load it with odt_ops.load_model to convert it"
+            )
         self.types = _value_types(proto)
         self.initializers = {t.name: t for t in self.graph.initializer}
         self.nodes = topological_order(self.graph, {i.name for i in self.graph.input} | set(self.initializers))

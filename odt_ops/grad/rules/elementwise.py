@@ -189,6 +189,15 @@ def selu_grad(ctx, dY):
     return (b.Where(b.Greater(X, ctx.const(0, like=X)), b.Mul(dY, ctx.const(gamma, like=X)), negative),)
 
 
+@gradient("Shrink")
+def shrink_grad(ctx, dY):
+    """dX = dY where |X| > lambd"""
+    b, X = ctx.b, ctx.inputs[0]
+    lambd = ctx.attrs["lambd"]
+    outside = b.Or(b.Less(X, ctx.const(-lambd, like=X)), b.Greater(X, ctx.const(lambd, like=X)))
+    return (b.Where(outside, dY, ctx.const(0, like=X)),)
+
+
 @gradient("Sigmoid")
 def sigmoid_grad(ctx, dY):
     """dX = dY * Y * (1 - Y)"""
@@ -209,7 +218,8 @@ def hard_swish_grad(ctx, dY):
     """dX = dY * (0 if X < -3, 1 if X > 3, X / 3 + 1/2 between)"""
     b, X = ctx.b, ctx.inputs[0]
     middle = b.Add(b.Mul(X, ctx.const(1 / 3, like=X)), ctx.const(0.5, like=X))
-    slope = b.Where(b.Less(X, ctx.const(-3, like=X)), ctx.const(0, like=X), b.Where(b.Greater(X, ctx.const(3, like=X)), ctx.const(1, like=X), middle))
+    upper = b.Where(b.Greater(X, ctx.const(3, like=X)), ctx.const(1, like=X), middle)
+    slope = b.Where(b.Less(X, ctx.const(-3, like=X)), ctx.const(0, like=X), upper)
     return (b.Mul(dY, slope),)
 
 

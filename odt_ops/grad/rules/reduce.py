@@ -126,6 +126,20 @@ def reduce_log_sum_exp_grad(ctx, g, X, Y):
     return ctx.b.Mul(g, ctx.b.Exp(ctx.b.Sub(X, Y)))
 
 
+@gradient("LpNormalization")
+def lp_normalization_grad(ctx, dY):
+    """Y = X / n, n the Lp norm along axis: dX = (dY - d(n)/dX * sum(dY * Y, axis)) / n,
+    with d(n)/dX = Y for p = 2 and sign(X) for p = 1"""
+    b, X, (Y,) = ctx.b, ctx.inputs[0], ctx.outputs
+    p, axis = ctx.attrs["p"], ctx.ints([ctx.attrs["axis"]])
+    if p not in (1, 2):
+        raise ctx.fail(f"LpNormalization is defined for p = 1 or 2, got {p}")
+    norm = b.ReduceL2(X, axis, keepdims=1) if p == 2 else b.ReduceL1(X, axis, keepdims=1)
+    slope = Y if p == 2 else b.Sign(X)
+    dot = b.ReduceSum(b.Mul(dY, Y), axis, keepdims=1)
+    return (b.Div(b.Sub(dY, b.Mul(slope, dot)), norm),)
+
+
 @gradient("CumSum")
 def cum_sum_grad(ctx, dY):
     """dX = cumsum of dY in the opposite direction"""
