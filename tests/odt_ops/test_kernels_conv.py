@@ -1,4 +1,8 @@
-"""Conv, ConvTranspose, MaxPool and AveragePool against onnxruntime, on one-node models with random geometry."""
+"""Conv, ConvTranspose and the pools against onnxruntime, on one-node models with random window geometry.
+
+The strategies stay inside what onnxruntime accepts; where it departs from the spec the
+comments say how, and the spec's own node tests (test_node_conformance) cover the rest.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +19,7 @@ from odt_ops.kernels.conv import max_pool
 from odt_ops.runtime.plan import Plan
 
 SETTINGS = settings(deadline=None, max_examples=25)
-ort.set_default_logger_severity(3)  # the expected-failure probes below would flood the log
+ort.set_default_logger_severity(3)  # errors surface as exceptions; keep the console quiet
 OPSET = 22
 
 
@@ -58,13 +62,12 @@ def windows(draw, *, rank=None, max_kernel=3, max_stride=3, max_dilation=2, pad_
             auto_pads=("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")):
     """Spatial shape and window attributes that leave at least one output position."""
     rank = rank or draw(st.integers(1, 3))
-    per_axis = st.lists
-    kernel = draw(per_axis(st.integers(1, max_kernel), min_size=rank, max_size=rank))
-    strides = draw(per_axis(st.integers(1, max_stride), min_size=rank, max_size=rank))
+    kernel = draw(st.lists(st.integers(1, max_kernel), min_size=rank, max_size=rank))
+    strides = draw(st.lists(st.integers(1, max_stride), min_size=rank, max_size=rank))
     auto_pad = draw(st.sampled_from(auto_pads))
     # onnxruntime refuses dilations with SAME_* padding
     dilation = st.integers(1, 1 if auto_pad.startswith("SAME") else max_dilation)
-    dilations = draw(per_axis(dilation, min_size=rank, max_size=rank))
+    dilations = draw(st.lists(dilation, min_size=rank, max_size=rank))
     extents = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
     if auto_pad.startswith("SAME"):
         # a window shorter than the stride makes the SAME padding negative: onnxruntime's pools
