@@ -189,6 +189,12 @@ def _spatial_input(X: np.ndarray, op: str) -> None:
         raise ValueError(f"{op} needs an (N, C, spatial...) input of rank >= 3, got shape {X.shape}")
 
 
+def _check_kernel_shape(kernel_shape: Sequence[int] | None, W: np.ndarray) -> None:
+    if kernel_shape is not None and tuple(kernel_shape) != W.shape[2:]:
+        raise ValueError(f"kernel_shape {list(kernel_shape)} differs from the weights' spatial shape "
+                         f"{list(W.shape[2:])}")
+
+
 # ---------------------------------------------------------------- Conv
 
 
@@ -199,9 +205,9 @@ def _conv_geometry(X: np.ndarray, W: np.ndarray, kernel_shape, group: int, **win
     if group < 1 or X.shape[1] % group or W.shape[0] % group:
         raise ValueError(f"group {group} must divide the input channels {X.shape[1]} and output channels {W.shape[0]}")
     if W.shape[1] * group != X.shape[1]:
-        raise ValueError(f"weights {W.shape} expect {W.shape[1] * group} input channels (group {group}), input has {X.shape[1]}")
-    if kernel_shape is not None and tuple(kernel_shape) != W.shape[2:]:
-        raise ValueError(f"kernel_shape {list(kernel_shape)} differs from the weights' spatial shape {list(W.shape[2:])}")
+        raise ValueError(f"weights {W.shape} expect {W.shape[1] * group} input channels (group {group}), "
+                         f"input has {X.shape[1]}")
+    _check_kernel_shape(kernel_shape, W)
     return _geometry(X.shape[2:], W.shape[2:], **window)
 
 
@@ -270,7 +276,8 @@ def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Ge
         planes, offsets, span = _flat_planes(X, geo)
         taps = (planes[:, :, None, o: o + span] for o in offsets)
     else:
-        taps = (window[:, :, None].reshape(N, group, 1, -1) for window in _offset_slices(_pad_for_windows(X, geo, 0), geo))
+        windows = _offset_slices(_pad_for_windows(X, geo, 0), geo)
+        taps = (window[:, :, None].reshape(N, group, 1, -1) for window in windows)
     Y = term = None
     for i, tap in enumerate(taps):
         if Y is None:
@@ -375,7 +382,8 @@ def _col2im(X: np.ndarray, W: np.ndarray, group: int, strides, dilations, first:
     buffer = np.empty(guard + N * group * taps * row, dtype=dtype)
     buffer[:guard] = 0
     # weights as (group, tap, out channel, in channel): each tap's columns are one contiguous block
-    Wt = W.reshape(group, C // group, per_group, taps).transpose(0, 3, 2, 1).reshape(group, taps * per_group, C // group)
+    Wt = W.reshape(group, C // group, per_group, taps).transpose(0, 3, 2, 1)
+    Wt = Wt.reshape(group, taps * per_group, C // group)
     np.matmul(Wt, X.reshape(N, group, C // group, area), out=buffer[guard:].reshape(N, group, taps * per_group, area))
     per_axis = [_phase_taps(ld, k, d, s) for ld, k, d, s in zip(lead, kernel, dilations, strides)]
     tap_strides = [math.prod(kernel[i + 1:]) for i in range(len(kernel))]
@@ -416,9 +424,8 @@ def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, 
         raise ValueError(f"ConvTranspose weights {W.shape} must be (C={C}, M/group, kernel...) of rank {X.ndim}")
     if group < 1 or C % group:
         raise ValueError(f"group {group} must divide the input channels {C}")
+    _check_kernel_shape(kernel_shape, W)
     kernel = W.shape[2:]
-    if kernel_shape is not None and tuple(kernel_shape) != kernel:
-        raise ValueError(f"kernel_shape {list(kernel_shape)} differs from the weights' spatial shape {list(kernel)}")
     strides = _per_axis("strides", strides, rank, 1, minimum=1)
     dilations = _per_axis("dilations", dilations, rank, 1, minimum=1)
     begin, out = _transpose_pads(X, kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
@@ -482,7 +489,8 @@ def _window_counts(spatial: Sequence[int], geo: _Geometry, include_pad: bool) ->
     return grid
 
 
-def _max_with_indices(X: np.ndarray, Xp: np.ndarray, geo: _Geometry, storage_order: int) -> tuple[np.ndarray, np.ndarray]:
+def _max_with_indices(X: np.ndarray, Xp: np.ndarray, geo: _Geometry,
+                      storage_order: int) -> tuple[np.ndarray, np.ndarray]:
     """Max and the flat input index of the first maximum in row-major window order.
 
     Separable like the plain max, but from the last axis to the first: picking the first

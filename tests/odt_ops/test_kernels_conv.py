@@ -25,7 +25,8 @@ OPSET = 22
 
 def _model(op: str, feeds: dict[str, np.ndarray], attrs: dict, out_shapes: list[tuple[int, ...]] | None,
            n_outputs: int) -> onnx.ModelProto:
-    inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in feeds.items()]
+    inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+              for n, a in feeds.items()]
     out_types = [onnx.TensorProto.FLOAT, onnx.TensorProto.INT64]
     outputs = [helper.make_tensor_value_info(f"out{i}", out_types[i], None if out_shapes is None else out_shapes[i])
                for i in range(n_outputs)]
@@ -99,8 +100,9 @@ def test_conv(geometry, group, in_per_group, out_per_group, batch, bias, seed):
 @given(windows(rank=2, max_kernel=5, max_stride=2), st.integers(1, 4), st.integers(1, 3), seeds)
 def test_conv_depthwise(geometry, channels, multiplier, seed):
     spatial, attrs = geometry
-    feeds = {"X": rand(seed, 2, channels, *spatial), "W": rand(seed + 1, channels * multiplier, 1, *attrs["kernel_shape"]),
-             "B": rand(seed + 2, channels * multiplier)}
+    M = channels * multiplier
+    feeds = {"X": rand(seed, 2, channels, *spatial), "W": rand(seed + 1, M, 1, *attrs["kernel_shape"]),
+             "B": rand(seed + 2, M)}
     check("Conv", feeds, {**attrs, "group": channels})
 
 
@@ -122,7 +124,8 @@ def transpose_windows(draw):
         # the spec allows output_padding below the stride or the dilation; onnxruntime only below the stride
         output_padding = [draw(st.integers(0, s - 1)) for s in strides]
     attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "output_padding": output_padding}
-    full = [s * (n - 1) + a + (k - 1) * d + 1 for s, n, a, k, d in zip(strides, spatial, output_padding, kernel, dilations)]
+    full = [s * (n - 1) + a + (k - 1) * d + 1
+            for s, n, a, k, d in zip(strides, spatial, output_padding, kernel, dilations)]
     if mode == "pads":
         begin = [draw(st.integers(0, (f - 1) // 2)) for f in full]
         attrs["pads"] = begin + [draw(st.integers(0, (f - 1) // 2)) for f in full]
