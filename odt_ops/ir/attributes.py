@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
@@ -28,8 +29,20 @@ def attribute_value(attr: onnx.AttributeProto) -> Any:
     if attr.type == AT.TENSORS:
         return [numpy_helper.to_array(t) for t in attr.tensors]
     if attr.type == AT.SPARSE_TENSOR:
-        return numpy_helper.to_array(onnx.helper.get_attribute_value(attr).values)
+        return sparse_to_dense(attr.sparse_tensor)
     return onnx.helper.get_attribute_value(attr)
+
+
+def sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    """A SparseTensorProto as a dense array (indices are flat, or one coordinate row per value)."""
+    values = numpy_helper.to_array(sparse.values)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dense = np.zeros(tuple(sparse.dims), dtype=values.dtype)
+    if indices.ndim == 1:
+        dense.reshape(-1)[indices] = values
+    else:
+        dense[tuple(indices.T)] = values
+    return dense
 
 
 def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import onnx
 from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
+from odt_ops.runtime.memory import tune_allocator
 
 NONE_SLOT = 0  # always holds None: omitted optional inputs read it
 SINK_SLOT = 1  # written by outputs nobody named; never read
@@ -78,6 +79,7 @@ class Plan:
         output_names: Sequence[str],
         rng: np.random.Generator | None = None,
     ):
+        tune_allocator()
         self.input_names = list(input_names)
         self.output_names = list(output_names)
         missing = missing_kernels(graph.node, opsets)

@@ -49,6 +49,14 @@ def _fmt(shape: Sequence[object]) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+def _owned(result: np.ndarray, feeds: Sequence[np.ndarray]) -> np.ndarray:
+    """Outputs that are views of a feed or a weight (Identity, Reshape, Expand...) are copied,
+    so a caller writing into an output never changes its input or the model."""
+    if result.base is None and result.flags.writeable:
+        return result
+    return result.copy()
+
+
 class InferenceSession:
     """``InferenceSession(model).run(output_names, {input: array})`` as with onnxruntime."""
 
@@ -81,7 +89,8 @@ class InferenceSession:
         missing = [v.name for v in self.inputs if v.name not in feeds]
         if missing:
             raise InputError(f"missing input(s) {missing}; the model's inputs are {self.input_names()}")
-        results = self._plan.run([spec.check(feeds[spec.name]) for spec in self.inputs])
+        inputs = [spec.check(feeds[spec.name]) for spec in self.inputs]
+        results = [_owned(r, inputs) for r in self._plan.run(inputs)]
         if output_names is None:
             return results
         index = {n: i for i, n in enumerate(self.output_names())}
