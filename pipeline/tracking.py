@@ -199,8 +199,8 @@ def _client_and_experiment(name: str):
     import logging
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the network is not ours to use
-    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for logger in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
+        logging.getLogger(logger).setLevel(logging.WARNING)
     try:
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException

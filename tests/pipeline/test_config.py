@@ -1,0 +1,126 @@
+"""conf/ composes, params.yaml stays its composition, and bad configuration is stopped
+before any work with a message naming the key and what is allowed."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pipeline import config
+from pipeline.config import ConfigError
+from tests.pipeline.conftest import REPO, load_cfg
+
+
+def test_params_yaml_is_the_composition_of_conf():
+    """params.yaml is committed for `dvc repro`; `dvc exp run` rewrites it from conf/."""
+    assert (REPO / "params.yaml").read_text(encoding="utf-8") == config.compose_yaml(root=REPO), (
+        "params.yaml differs from conf/: run `python -m pipeline.config --write`"
+    )
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g, opts in config.group_options(REPO).items() for o in opts]
+)
+def test_every_group_option_composes_and_validates(group, option):
+    cfg = load_cfg(f"{group}={option}")
+    assert cfg.seed == 0
+
+
+def test_defaults_and_types():
+    cfg = load_cfg()
+    assert cfg.model.source is config.ModelSource.builtin and cfg.model.arch is config.Arch.mlp
+    assert cfg.optimizer.name is config.OptimizerName.adamw and isinstance(cfg.optimizer.lr, float)
+    assert list(cfg.optimizer.hparams.betas) == [0.9, 0.999]
+    assert cfg.trainable.select is config.Select.last_n and cfg.trainable.last_n == 1  # head only
+    sgd = load_cfg("optimizer=sgd", "optimizer.lr=0.1")
+    assert sgd.optimizer.hparams.momentum == 0.9 and sgd.optimizer.lr == 0.1
+
+
+@pytest.mark.parametrize(
+    "overrides,needles",
+    [
+        (["optimizer.lrr=3e-3"], ["optimizer.lrr", "'optimizer' takes", "did you mean 'optimizer.lr'"]),
+        (["+optimizer.lrr=3e-3"], ["optimizer.lrr", "hparams, lr, name, schedule"]),
+        (["model=cnnn"], ["model=cnnn", "cnn, mlp, onnx_file, torch"]),
+        (["optimizer.lr=abc"], ["optimizer.lr='abc'", "expected a number"]),
+        (["optimizer.name=adam"], ["optimizer.name='adam'", "one of: adamw, sgd"]),
+        (["device.max_steps=many"], ["device.max_steps", "an integer or null"]),
+        (["data.input_shape=[1,x,8]"], ["data.input_shape[1]", "an integer"]),
+        (["train.shuffle=maybe"], ["train.shuffle", "true or false"]),
+        (["optimizer=sgd", "+optimizer.hparams.betas=[0.9,0.9]"], ["optimizer.hparams.betas", "momentum"]),
+        (["optimizer.lr=-1"], ["optimizer.lr=-1.0", "a number > 0"]),
+        (["trainable.select=globs"], ["trainable.params", "at least one glob"]),
+        (["model=onnx_file", "model.path=null"], ["model.path=null", "zoo:<name>"]),
+        (["optimizer.lr"], ["optimizer.lr", "Hydra grammar"]),
+    ],
+)
+def test_bad_overrides_name_the_key_and_the_allowed_values(overrides, needles):
+    with pytest.raises(ConfigError) as info:
+        load_cfg(*overrides)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
+    assert "\n" not in message
+
+
+def test_params_yaml_with_a_wrong_type_is_rejected(tmp_path):
+    """DVC composes without the schema, so `dvc exp run -S optimizer.lr=abc` reaches
+    the stages; the first one stops before any work."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["optimizer"]["lr"] = "abc"
+    params["train"]["typo"] = 1
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(ConfigError, match=r"optimizer.lr='abc': expected a number|unknown key 'train.typo'"):
+        config.load([], root=tmp_path)
+
+
+def test_load_rule_params_yaml_without_overrides_conf_with_them(tmp_path):
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["optimizer"]["lr"] = 0.123
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    (tmp_path / "conf").symlink_to(REPO / "conf")
+    assert config.load([], root=tmp_path).optimizer.lr == 0.123
+    assert config.load(["optimizer.lr=0.5"], root=tmp_path).optimizer.lr == 0.5
+    assert config.source_of([], root=tmp_path) == "params.yaml"
+
+
+def test_stage_cli_prints_one_line_and_exits_2_on_a_typo(project):
+    """The real command line, as a person types it: no traceback, exit code 2."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.prepare", "optimizer.lrr=3e-3"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "optimizer.lrr" in lines[0] and "Traceback" not in proc.stderr
+    assert not (project / "data").exists()  # nothing was written
+
+
+def test_dvc_yaml_stages_read_existing_params_and_never_tracking():
+    dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for name, stage in dvc["stages"].items():
+        assert stage["cmd"] == f"python -m pipeline.{name}"
+        assert f"pipeline/{name}.py" in stage["deps"] and "pipeline/config.py" in stage["deps"]
+        for dep in stage["deps"]:
+            assert (REPO / dep).exists() or dep.startswith("data/") and dep.split("/")[1] in dvc["stages"], dep
+        for key in stage["params"]:
+            node = params
+            for part in key.split("."):
+                assert part in node, f"stage {name}: param {key} is not in params.yaml"
+                node = node[part]
+        assert not any(str(k).startswith("tracking") for k in stage["params"])
+        assert stage["outs"] == [f"data/{name}"]
+
+
+def test_hydra_settings_keep_outputs_and_cwd():
+    """The hydra: node stays out of params.yaml and keeps @hydra.main tools in place."""
+    text = (REPO / "conf" / "config.yaml").read_text()
+    node = yaml.safe_load(text)["hydra"]
+    assert node == {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}}
+    assert "hydra" not in yaml.safe_load((REPO / "params.yaml").read_text())
+    for path in (REPO / "conf").rglob("*.yaml"):  # DVC would bake resolved env/time values into params.yaml
+        assert "${" not in re.sub(r"#.*", "", path.read_text()), path

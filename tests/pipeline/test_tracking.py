@@ -1,0 +1,169 @@
+"""MLflow tracking: where the store is, stage runs nested under a pipeline run with
+their params, step metrics, tags and artifacts, and the runs found through a real
+MLflow server's REST API."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline import prepare, tracking
+from pipeline.errors import TrackingError
+from tests.pipeline.conftest import TINY, load_cfg
+
+mlflow = pytest.importorskip("mlflow")
+
+
+def test_tracking_uri_rule(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))  # the original repo, also for queued experiments
+    assert tracking.tracking_uri() == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert tracking.artifact_location(tracking.tracking_uri()) == (tmp_path.resolve() / "mlartifacts").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert tracking.tracking_uri() == "http://127.0.0.1:5999"
+    assert tracking.artifact_location("http://127.0.0.1:5999") is None
+
+
+def test_stage_run_nests_under_the_parent_with_params_metrics_tags(mlflow_store, monkeypatch, tmp_path):
+    client = mlflow.MlflowClient(tracking_uri=mlflow_store)
+    experiment_id = client.create_experiment("odt", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(experiment_id, run_name="pipeline").info.run_id
+    monkeypatch.setenv("ODT_PARENT_RUN_ID", parent)
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-test")
+    monkeypatch.setenv("DVC_STAGE", "train")
+    cfg = load_cfg("tracking=mlflow", "optimizer.lr=0.007")
+    (tmp_path / "curve.csv").write_text("step,loss\n0,1.0\n")
+    with tracking.stage_run("train", cfg, config_source="test") as run:
+        for step in range(1200):  # more than one log_batch
+            run.log_metric("loss", 1.0 / (step + 1), step=step)
+        run.log_metrics({"accuracy": 0.9, "note": "not a number"})
+        run.log_artifact(tmp_path / "curve.csv", "train")
+    child = client.get_run(run.run_id)
+    assert child.info.status == "FINISHED" and child.info.run_name == "train"
+    tags = child.data.tags
+    assert tags["mlflow.parentRunId"] == parent
+    assert tags["odt.stage"] == "train" and tags["dvc.stage"] == "train" and tags["dvc.exp"] == "exp-test"
+    assert len(tags["git.commit"]) == 40
+    assert child.data.params["optimizer.lr"] == "0.007" and child.data.params["model.arch"] == "mlp"
+    history = client.get_metric_history(run.run_id, "loss")
+    assert len(history) == 1200 and sorted(m.step for m in history)[-1] == 1199
+    assert child.data.metrics["accuracy"] == 0.9 and "note" not in child.data.metrics
+    assert [f.path for f in client.list_artifacts(run.run_id, "train")] == ["train/curve.csv"]
+    assert Path(child.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)
+
+
+def test_failed_stage_marks_its_run_and_the_parent_failed(mlflow_store, monkeypatch):
+    client = mlflow.MlflowClient(tracking_uri=mlflow_store)
+    experiment_id = client.create_experiment("odt")
+    parent = client.create_run(experiment_id, run_name="pipeline").info.run_id
+    monkeypatch.setenv("ODT_PARENT_RUN_ID", parent)
+    with pytest.raises(RuntimeError):
+        with tracking.stage_run("convert", load_cfg("tracking=mlflow")) as run:
+            raise RuntimeError("boom")
+    assert client.get_run(run.run_id).info.status == "FAILED"
+    assert client.get_run(parent).info.status == "FAILED"
+
+
+def test_experiment_gets_an_explicit_artifact_location(tmp_path, monkeypatch, mlflow_template):
+    import shutil
+
+    shutil.copy(mlflow_template, tmp_path / "mlflow.db")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("ODT_PARENT_RUN_ID", raising=False)
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    monkeypatch.chdir(tmp_path.parent)  # never where the artifacts go
+    with tracking.stage_run("prepare", load_cfg("tracking=mlflow")) as run:
+        assert run.parent_run_id is None  # a hand run outside DVC is a top-level run
+    exp = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri()).get_experiment_by_name("odt")
+    assert exp.artifact_location == (tmp_path.resolve() / "mlartifacts").as_uri()
+
+
+def test_unknown_parent_is_a_clean_error(mlflow_store, monkeypatch):
+    monkeypatch.setenv("ODT_PARENT_RUN_ID", "0123456789abcdef0123456789abcdef")
+    with pytest.raises(TrackingError, match="ODT_PARENT_RUN_ID=0123456789abcdef0123456789abcdef: no such run"):
+        with tracking.stage_run("prepare", load_cfg("tracking=mlflow")):
+            pass
+
+
+def test_disabled_tracking_touches_no_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'never.db'}")
+    with tracking.stage_run("prepare", load_cfg()) as run:
+        run.log_metric("x", 1.0, step=0)
+        assert run.run_id is None
+    assert not (tmp_path / "never.db").exists()
+
+
+def test_invocation_key_only_under_dvc(monkeypatch):
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    assert tracking.dvc_invocation_key() is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, body: dict | None = None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        raw = resp.read().decode()
+    return raw if body is None and not raw.startswith("{") else json.loads(raw)
+
+
+def test_stage_runs_are_found_through_a_local_mlflow_server(project, mlflow_store, monkeypatch):
+    """prepare runs as a person runs it, logging to SQLite; a real `mlflow server` on
+    127.0.0.1 then serves the pipeline run, the stage run and its metrics over REST."""
+    client = mlflow.MlflowClient(tracking_uri=mlflow_store)
+    experiment_id = client.create_experiment("odt")
+    parent = client.create_run(experiment_id, run_name="pipeline").info.run_id
+    monkeypatch.setenv("ODT_PARENT_RUN_ID", parent)
+    assert prepare.main([*TINY]) == 0
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", mlflow_store,
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if _get(f"{base}/health").strip() == "OK":
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None, "mlflow server exited"
+            assert time.monotonic() < deadline, "mlflow server did not answer /health in 240 s"
+            time.sleep(0.5)
+        experiments = _get(f"{base}/api/2.0/mlflow/experiments/search", {"max_results": 10})["experiments"]
+        odt = next(e for e in experiments if e["name"] == "odt")
+        runs = _get(f"{base}/api/2.0/mlflow/runs/search", {"experiment_ids": [odt["experiment_id"]], "max_results": 10})["runs"]
+        by_name = {r["info"]["run_name"]: r for r in runs}
+        assert set(by_name) == {"pipeline", "prepare"}
+        stage = by_name["prepare"]
+        tags = {t["key"]: t["value"] for t in stage["data"]["tags"]}
+        assert tags["mlflow.parentRunId"] == parent and tags["odt.stage"] == "prepare"
+        metrics = {m["key"]: m["value"] for m in stage["data"]["metrics"]}
+        assert metrics["n_user_train"] == 30 and 0 < metrics["probe_acc_user_holdout"] < metrics["probe_acc_global_test"]
+        params = {p["key"]: p["value"] for p in stage["data"]["params"]}
+        assert params["data.user_samples"] == "100"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
