@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 from pipeline import datasets
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, DataError
 from pipeline.io import save_npz, write_json
 from pipeline.paths import SPLITS, Paths
 
@@ -90,8 +90,6 @@ def _split_per_class(y: np.ndarray, rng: np.random.Generator, *, train_per_class
         train.extend(idx[:k])
         hold.extend(idx[k:])
     if not train or not hold:
-        from pipeline.errors import DataError
-
         raise DataError(f"the user's data has {len(y)} samples: too few for both a training set and a holdout")
     return np.sort(np.array(train)), np.sort(np.array(hold))
 

@@ -30,7 +30,10 @@ def usage(stage: str) -> str:
         f"usage: python -m pipeline.{stage} [OVERRIDE ...]\n\n"
         "With no overrides the stage reads params.yaml (as DVC runs it); with overrides it\n"
         "composes conf/ plus the overrides (Hydra grammar: key=value, group=option, +key=value).\n"
-        f"Examples: python -m pipeline.{stage} optimizer.lr=3e-3 model=cnn\n\nConfig groups:\n{groups}\n"
+        f"Examples: python -m pipeline.{stage} optimizer.lr=3e-3 model=cnn\n"
+        f"Outputs go to data/{stage}/ as under DVC (`dvc status` then shows them changed;\n"
+        "`dvc checkout` restores DVC's). Exit codes: 2 bad configuration, 1 bad input.\n\n"
+        f"Config groups:\n{groups}\n"
     )
 
 
