@@ -1,0 +1,5 @@
+import sys
+
+from odt_ops.benchmark.driver import main
+
+sys.exit(main())

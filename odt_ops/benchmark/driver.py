@@ -1,0 +1,187 @@
+"""The driver: prepare each configuration once, run every (configuration, batch, peer,
+repeat) as a fresh worker process, alternating the peers' order between repeats, then
+summarize into one JSON document and print the tables.
+
+Nothing here is timed; only workers time themselves (see workers/harness.py).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from odt_ops.benchmark import configs as cfgs
+from odt_ops.benchmark.peers import PEERS, PeerEnv, locate, repo_root, setup_peers
+from odt_ops.benchmark.report import render_tables, summarize
+from odt_ops.benchmark.workers.harness import RESULT_MARK
+
+SCHEMA = "odt-benchmark/1"
+DEFAULT_JSON = "benchmark.json"
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                     "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m odt_ops.benchmark", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", metavar="NAME", help=f"default: {' '.join(c.name for c in cfgs.resolve(None))}; "
+                   f"known: {' '.join(cfgs.CONFIGS)}")
+    p.add_argument("--batches", nargs="+", type=int, default=[16, 64, 256])
+    p.add_argument("--steps", type=int, default=100, help="timed train steps per process (default 100)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed train steps first, the first one included (default 10)")
+    p.add_argument("--eval-steps", type=int, default=30, help="timed eval steps per process (default 30)")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per peer and configuration (default 3)")
+    p.add_argument("--time-budget", type=float, default=20.0, metavar="SECONDS",
+                   help="stop timing train steps after this long (at least 5 steps; eval gets half)")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {','.join(PEERS)} (default: all)")
+    p.add_argument("--json", default=DEFAULT_JSON, metavar="PATH", help=f"results file (default {DEFAULT_JSON})")
+    p.add_argument("--workdir", help="keep models, artifacts and job files here (default: a temporary directory)")
+    p.add_argument("--worker-timeout", type=float, default=900.0, metavar="SECONDS")
+    p.add_argument("--setup-peers", action="store_true", help="create .venv-bench-ort with ONNX Runtime training "
+                   "(and torch if missing) and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = p.parse_args(argv)
+    args.peers = [s.strip() for s in args.peers.split(",") if s.strip()]
+    unknown = [s for s in args.peers if s not in PEERS]
+    if unknown:
+        p.error(f"unknown peer(s) {unknown}; peers are {','.join(PEERS)}")
+    if min(args.steps, args.warmup, args.eval_steps, args.repeats, *args.batches) < 1:
+        p.error("--steps, --warmup, --eval-steps, --repeats and --batches must be >= 1")
+    return args
+
+
+def run_worker(env: PeerEnv, job: dict, job_path: Path, timeout: float) -> dict:
+    """Start one fresh worker process and return its report (or why it has none)."""
+    job_path.write_text(json.dumps(job))
+    child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    child_env.update(ONE_THREAD)
+    if env.name == "odt":  # the engine from this checkout, installed or not
+        child_env["PYTHONPATH"] = str(repo_root())
+    child_env["ODT_BENCH_SPAWN_TIME"] = repr(time.time())
+    base = {"peer": env.name, "config": job["config"]["name"], "batch": job.get("batch")}
+    try:
+        proc = subprocess.run([env.python, str(env.script), str(job_path)], capture_output=True, text=True,
+                              env=child_env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "failed", "reason": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if not lines:
+        return {**base, "status": "failed", "reason": f"exit code {proc.returncode}, no report",
+                "stderr": proc.stderr[-4000:]}
+    return json.loads(lines[-1][len(RESULT_MARK):])
+
+
+def prepare(config: cfgs.Config, workdir: Path, envs: dict[str, PeerEnv], timeout: float) -> dict[str, dict]:
+    """Write the forward model and weights, then each runtime's artifacts (untimed).
+
+    Returns, per peer, the job fields it needs, or a {"status": ...} saying why it cannot run.
+    """
+    d = workdir / config.name
+    d.mkdir(parents=True, exist_ok=True)
+    weights = cfgs.initial_weights(config)
+    forward = d / "forward.onnx"
+    onnx.save(cfgs.forward_model(config, weights), forward)
+    np.savez(d / "weights.npz", **weights)
+    common = {"forward": str(forward), "weights": str(d / "weights.npz")}
+    ready: dict[str, dict] = {}
+    if any(envs[p].python for p in ("odt", "ort-inference") if p in envs):
+        try:
+            _odt_artifacts(config, forward, d / "odt")
+            ready["odt"] = ready["ort-inference"] = {**common, "artifacts": str(d / "odt")}
+        except Exception as exc:  # the engine cannot build this model: both columns say so
+            ready["odt"] = ready["ort-inference"] = {"status": "failed", "reason": f"generate_artifacts: {type(exc).__name__}: {exc}"}
+    for peer in ("torch",):
+        ready[peer] = common
+    if "ort-training" in envs and envs["ort-training"].python:
+        fields = {**common, "artifacts": str(d / "ort-training")}
+        job = {"peer": "ort-training", "mode": "prepare", "config": config.to_json(), **fields}
+        res = run_worker(envs["ort-training"], job, d / "prepare-ort-training.json", timeout)
+        ready["ort-training"] = fields if res["status"] == "ok" else {
+            "status": res["status"], "reason": f"generate_artifacts: {res.get('reason')}"}
+    return ready
+
+
+def _odt_artifacts(config: cfgs.Config, forward: Path, out: Path) -> None:
+    from odt_ops import artifacts
+
+    out.mkdir(exist_ok=True)
+    optimizer = {"AdamW": artifacts.OptimType.AdamW, "SGD": artifacts.OptimType.SGD}[config.optimizer]
+    artifacts.generate_artifacts(str(forward), requires_grad=cfgs.trainable(config), frozen_params=list(config.frozen),
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=optimizer, artifact_directory=out)
+
+
+def machine_info() -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root())
+    return {"platform": platform.platform(), "cpu": cpu or platform.processor(), "cores": os.cpu_count(),
+            "python": sys.version.split()[0], "git_commit": commit.stdout.strip() or None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average_start": os.getloadavg()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.setup_peers:
+        return setup_peers()
+    configs = cfgs.resolve(args.configs)
+    envs = {p: locate(p) for p in args.peers}
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    for env in envs.values():
+        log(f"{env.name:14s} {env.python or 'missing: ' + env.reason}")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="odt-bench-"))
+    doc = {"schema": SCHEMA, "machine": machine_info(),
+           "settings": {"configs": [c.name for c in configs], "batches": args.batches, "steps": args.steps,
+                        "warmup": args.warmup, "eval_steps": args.eval_steps, "repeats": args.repeats,
+                        "time_budget_s": args.time_budget, "peers": args.peers, "threads": 1},
+           "peers": {p: {"available": e.python is not None, "python": e.python, "reason": e.reason or None}
+                     for p, e in envs.items()},
+           "configs": {c.name: c.description for c in configs},
+           "results": []}
+    try:
+        for config in configs:
+            ready = prepare(config, workdir, envs, args.worker_timeout)
+            for batch in args.batches:
+                runs: dict[str, list[dict]] = {p: [] for p in args.peers}
+                for r in range(args.repeats):
+                    k = r % len(args.peers)
+                    for peer in args.peers[k:] + args.peers[:k]:  # rotate who goes first
+                        fields = ready.get(peer, {})
+                        if envs[peer].python is None or "status" in fields:
+                            continue
+                        job = {"peer": peer, "mode": "run", "config": config.to_json(), "batch": batch, "seed": 1000 + batch,
+                               "steps": args.steps, "warmup": args.warmup, "eval_steps": args.eval_steps,
+                               "time_budget_s": args.time_budget, **fields}
+                        res = run_worker(envs[peer], job, workdir / config.name / f"job-{peer}-{batch}.json", args.worker_timeout)
+                        runs[peer].append(res)
+                        log(_progress(config.name, batch, r, res))
+                doc["results"].append(summarize(config.name, batch, runs, envs, ready))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    doc["machine"]["load_average_end"] = os.getloadavg()
+    Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    print(render_tables(doc))
+    print(f"\nwritten: {args.json}")
+    return 0
+
+
+def _progress(config: str, batch: int, repeat: int, res: dict) -> str:
+    head = f"{config} b{batch} r{repeat} {res['peer']:14s}"
+    if res["status"] != "ok":
+        return f"{head} {res['status']}: {res.get('reason', '')}"
+    train = sorted(res["train_ms"])[len(res["train_ms"]) // 2]
+    return f"{head} train {train:8.3f} ms  rss {res['peak_rss_mib']:6.1f} MiB  cold {res['cold_start_ms']:7.1f} ms"

@@ -1,0 +1,1 @@
+"""Peer workers, run by path in a fresh process each (see harness.py)."""

@@ -1,0 +1,126 @@
+"""What every peer worker shares: the job file, the data, the timed loop and the report.
+
+A worker is run by path (``python .../run_PEER.py JOB.json``), never as part of the
+odt_ops package, so the onnxruntime and torch workers import nothing of odt_ops and
+can run in another environment (.venv-bench-ort) with other versions of numpy and
+onnx. The worker prints one line, RESULT_MARK followed by JSON, as its last output.
+
+Phases of a run, each timed with time.perf_counter: import the runtime, load the
+model (artifacts or torch.nn with the given weights), the first train step (cold start
+is the wall time from the worker's first line to the end of that step, less making the
+random data), warm-up steps, timed train steps (forward + backward + optimizer step +
+gradient reset, one batch each), then timed eval steps. Peak resident memory is the
+process's ru_maxrss at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+RESULT_MARK = "ODT_BENCH_RESULT "
+N_BATCHES = 4  # distinct random batches, cycled, so no peer trains on one cached batch
+MIN_STEPS = 5  # the time budget never cuts a run below this many timed steps
+
+
+def report(result: dict) -> None:
+    sys.stdout.flush()
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def peak_rss_mib() -> float:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / (1024 * 1024) if sys.platform == "darwin" else kib / 1024
+
+
+def make_batches(job: dict):
+    """Standard normal inputs and uniform labels, seeded: every peer sees the same data."""
+    import numpy as np
+
+    rng = np.random.default_rng(job["seed"])
+    shape = (job["batch"], *job["config"]["input_shape"])
+    return [(rng.standard_normal(shape, dtype=np.float32), rng.integers(0, job["config"]["classes"], job["batch"], dtype=np.int64))
+            for _ in range(N_BATCHES)]
+
+
+def timed_steps(step: Callable, batches: list, steps: int, budget_s: float) -> tuple[list[float], object]:
+    times, out = [], None
+    start = time.perf_counter()
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        t = time.perf_counter()
+        out = step(x, y)
+        times.append((time.perf_counter() - t) * 1000)
+        if i + 1 >= MIN_STEPS and time.perf_counter() - start > budget_s:
+            break
+    return times, out
+
+
+def main(t0: float, import_runtime: Callable[[], dict], load: Callable[[dict], object],
+         prepare: Callable[[dict], None] | None = None) -> int:
+    """Run one job. ``load(job)`` returns a session with ``convert(x, y)``,
+    ``train_step(x, y)``, ``eval_step(x, y)`` (each returning the loss) and ``loss(out)``."""
+    if sys.argv[1:] == ["--check"]:  # is the runtime importable here? (used by --setup-peers)
+        try:
+            print(json.dumps({**import_runtime(), "imports_torch": "torch" in sys.modules}))
+        except ImportError as exc:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    job = json.loads(open(sys.argv[1]).read())
+    result: dict = {"peer": job["peer"], "config": job["config"]["name"], "batch": job.get("batch"), "pid": os.getpid(),
+                    "python": sys.version.split()[0], "executable": sys.executable}
+    try:
+        t = time.perf_counter()
+        result["versions"] = import_runtime()
+        import_ms = (time.perf_counter() - t) * 1000
+    except ImportError as exc:
+        report({**result, "status": "missing", "reason": f"{type(exc).__name__}: {exc}"})
+        return 0
+    try:
+        if job["mode"] == "prepare":
+            prepare(job)
+            report({**result, "status": "ok"})
+            return 0
+        t = time.perf_counter()
+        raw = make_batches(job)
+        data_ms = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        session = load(job)
+        load_ms = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        batches = [session.convert(x, y) for x, y in raw]
+        data_ms += (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        first = session.train_step(*batches[0])
+        first_ms = (time.perf_counter() - t) * 1000
+        cold_ms = (time.perf_counter() - t0) * 1000 - data_ms
+        spawn = os.environ.get("ODT_BENCH_SPAWN_TIME")  # the driver's time.time() just before starting us
+        for i in range(1, job["warmup"]):
+            session.train_step(*batches[i % len(batches)])
+        train_ms, last = timed_steps(session.train_step, batches, job["steps"], job["time_budget_s"])
+        session.eval_step(*batches[0])  # warm the eval path
+        eval_ms, eval_out = timed_steps(session.eval_step, batches, job["eval_steps"], job["time_budget_s"] / 2)
+        result.update(
+            status="ok",
+            train_ms=train_ms,
+            eval_ms=eval_ms,
+            peak_rss_mib=peak_rss_mib(),
+            cold_start_ms=cold_ms,
+            cold_start_parts_ms={"import": import_ms, "load": load_ms, "first_step": first_ms},
+            process_start_ms=((time.time() - (time.perf_counter() - t0)) - float(spawn)) * 1000 if spawn else None,
+            first_loss=session.loss(first),
+            last_loss=session.loss(last),
+            eval_loss=session.loss(eval_out),
+            imports_torch="torch" in sys.modules,
+        )
+    except Exception as exc:  # reported, so one broken peer does not stop the run
+        report({**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-4000:]})
+        return 1
+    report(result)
+    return 0
