@@ -1,0 +1,53 @@
+"""The benchmark keeps working: a tiny run (odt, onnxruntime's inference build, and an
+ORT training peer that is deliberately absent) writes the documented JSON. No time is
+ever asserted: CI machines are shared and noisy."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from odt_ops.benchmark.report import METRICS
+
+ROOT = Path(__file__).resolve().parents[2]
+STATS = {"n", "median", "mean", "min", "max", "q10", "q25", "q75", "q90", "iqr_pct"}
+
+
+def test_tiny_benchmark_run_writes_the_documented_json(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "ODT_BENCH_VENV": str(tmp_path / "no-venv")}  # ORT training: not installed here
+    cmd = [sys.executable, "-m", "odt_ops.benchmark", "--configs", "mlp-sgd", "cnn-adamw", "--batches", "2",
+           "--steps", "2", "--warmup", "1", "--eval-steps", "1", "--repeats", "2",
+           "--peers", "odt,ort-inference,ort-training", "--json", str(out), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+
+    assert doc["schema"] == "odt-benchmark/1"
+    assert doc["settings"]["peers"] == ["odt", "ort-inference", "ort-training"]
+    assert doc["settings"]["threads"] == 1
+    assert not doc["peers"]["ort-training"]["available"]
+    assert "--setup-peers" in doc["peers"]["ort-training"]["reason"]
+    have_ort = importlib.util.find_spec("onnxruntime") is not None
+    assert [(r["config"], r["batch"]) for r in doc["results"]] == [("mlp-sgd", 2), ("cnn-adamw", 2)]
+    for res in doc["results"]:
+        peers = res["peers"]
+        assert peers["ort-training"]["status"] == "missing"  # said so, never faked
+        assert peers["ort-inference"]["status"] == ("ok" if have_ort else "missing")
+        odt = peers["odt"]
+        assert odt["status"] == "ok", odt
+        assert odt["processes"] == 2 and not odt["imports_torch"]
+        for metric in METRICS:
+            assert set(odt[metric]) == STATS
+            assert odt[metric]["min"] <= odt[metric]["median"] <= odt[metric]["max"]
+        assert odt["train_ms"]["n"] == 4 and odt["eval_ms"]["n"] == 2  # 2 steps, 1 eval step, 2 processes
+        assert set(odt["cold_start_parts_ms"]) == {"import", "load", "first_step"}
+        assert set(res["ratios"]) == {"odt/ORT", "odt/ort-inf"}
+        assert all(v is None for v in res["ratios"]["odt/ORT"].values())
+        if have_ort:  # same weights, same data: both runtimes start from the same loss
+            assert res["first_loss_rel_spread"] < 1e-4
+            assert all(res["ratios"]["odt/ort-inf"][m] > 0 for m in METRICS)
+    assert "train step" in proc.stdout and "ort-training: missing" in proc.stdout
