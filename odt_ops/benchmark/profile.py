@@ -1,0 +1,150 @@
+"""Where odt's train step spends its time: ``python -m odt_ops.benchmark.profile --config mlp-adamw --batch 64``.
+
+In one process (single-threaded BLAS, set before numpy loads): the step split into
+Module call (forward + backward plan), Optimizer.step and lazy_reset_grad; the time of
+every node of the training plan (each kernel wrapped in a timer, so the rest of the
+Module call is the engine's Python overhead); then cProfile's top functions. It reads
+the Module's compiled plan (a private attribute), so it is a diagnostic, not an API.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from odt_ops.benchmark.driver import ONE_THREAD
+
+
+def _session(config, directory: str, batch: int):
+    from odt_ops.api import CheckpointState, Module, Optimizer
+    from odt_ops.benchmark import configs as cfgs
+    from odt_ops.benchmark.driver import _odt_artifacts
+
+    import onnx
+
+    forward = Path(directory) / "forward.onnx"
+    onnx.save(cfgs.forward_model(config), forward)
+    out = Path(directory) / "odt"
+    _odt_artifacts(config, forward, out)
+    state = CheckpointState.load_checkpoint(f"{out}/checkpoint")
+    module = Module(f"{out}/training_model.onnx", state, f"{out}/eval_model.onnx")
+    optimizer = Optimizer(f"{out}/optimizer_model.onnx", module)
+    optimizer.set_learning_rate(config.lr)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, *config.input_shape), dtype=np.float32)
+    y = rng.integers(0, config.classes, batch, dtype=np.int64)
+    return module, optimizer, x, y
+
+
+def _median_ms(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1000)
+
+
+def _node_times(plan, run, steps: int) -> dict[str, tuple[str, float]]:
+    """Run with every kernel of ``plan`` wrapped in a timer; per node: (op, median ms)."""
+    acc: dict[str, list] = {}
+    original = plan._loop
+
+    def wrap(fn, times):
+        def timed(*args):
+            t = time.perf_counter()
+            res = fn(*args)
+            times.append(time.perf_counter() - t)
+            return res
+        return timed
+
+    wrapped, ops = [], {}
+    for (fn, ins, outs, frees), step in zip(original, plan.steps):
+        key = step.node.name or step.node.output[0]
+        acc[key], ops[key] = [], step.node.op_type
+        wrapped.append((wrap(fn, acc[key]), ins, outs, frees))
+    plan._loop = wrapped
+    try:
+        for _ in range(steps):
+            run()
+    finally:
+        plan._loop = original
+    return {key: (ops[key], float(np.median(times)) * 1000) for key, times in acc.items()}
+
+
+def profile(config_name: str, batch: int, steps: int, top: int) -> str:
+    from odt_ops.benchmark import configs as cfgs
+
+    config = cfgs.CONFIGS[config_name]
+    lines = []
+    with tempfile.TemporaryDirectory() as d:
+        module, optimizer, x, y = _session(config, d, batch)
+
+        def train_step():
+            module(x, y)
+            optimizer.step()
+            module.lazy_reset_grad()
+
+        for _ in range(20):
+            train_step()
+        step_ms = _median_ms(train_step, steps)
+        call_ms = _median_ms(lambda: module(x, y), steps)
+        opt_ms = _median_ms(optimizer.step, steps)
+        reset_ms = _median_ms(module.lazy_reset_grad, steps)
+        plan = module._train["plan"]
+        nodes = _node_times(plan, lambda: module(x, y), steps)
+        kernel_ms = sum(ms for _, ms in nodes.values())
+        lines.append(f"{config.name} ({config.description}), batch {batch}, {steps} steps, {len(plan.steps)} plan nodes")
+        lines.append(f"train step {step_ms:.3f} ms = Module call {call_ms:.3f} + Optimizer.step {opt_ms:.3f} "
+                     f"+ lazy_reset_grad {reset_ms:.4f} (medians; the parts need not add up exactly)")
+        lines.append(f"Module call: kernels {kernel_ms:.3f} ms (sum of node medians), the rest {call_ms - kernel_ms:.3f} ms "
+                     f"(plan loop, feeds, gradient copies; {(call_ms - kernel_ms) / len(plan.steps) * 1000:.1f} us per node)")
+        by_op: dict[str, float] = defaultdict(float)
+        for op, ms in nodes.values():
+            by_op[op] += ms
+        lines.append("\nby op type (sum of the nodes' median ms, % of the Module call):")
+        for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {op:28s} {ms:8.3f}  {ms / call_ms * 100:5.1f}%")
+        lines.append("\ntop nodes (median ms):")
+        for key, (op, ms) in sorted(nodes.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"  {op:24s} {key[:52]:52s} {ms:8.3f}")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            train_step()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        lines.append("\ncProfile, by own time (" + f"{steps} train steps):")
+        lines.append("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from odt_ops.benchmark import configs as cfgs
+
+    p = argparse.ArgumentParser(prog="python -m odt_ops.benchmark.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="mlp-adamw", choices=list(cfgs.CONFIGS))
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args(argv)
+    if any(os.environ.get(k) != v for k, v in ONE_THREAD.items()):
+        # BLAS reads its thread count when numpy loads (already, via odt_ops): start again with one
+        argv = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, "-m", "odt_ops.benchmark.profile", *argv], {**os.environ, **ONE_THREAD})
+    print(profile(args.config, args.batch, args.steps, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
