@@ -10,7 +10,7 @@ model (artifacts or torch.nn with the given weights), the first train step (cold
 is the wall time from the worker's first line to the end of that step, less making the
 random data), warm-up steps, timed train steps (forward + backward + optimizer step +
 gradient reset, one batch each), then timed eval steps. Peak resident memory is the
-process's ru_maxrss at the end.
+process's high-water mark at the end.
 """
 from __future__ import annotations
 
@@ -33,8 +33,14 @@ def report(result: dict) -> None:
 
 
 def peak_rss_mib() -> float:
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kib / (1024 * 1024) if sys.platform == "darwin" else kib / 1024
+    """This process's peak resident memory. On Linux, VmHWM: ru_maxrss survives execve, so
+    a worker would inherit the driver's peak (the driver spawns it from its own memory)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return kib / (1024 * 1024) if sys.platform == "darwin" else kib / 1024
 
 
 def make_batches(job: dict):
@@ -100,7 +106,10 @@ def main(t0: float, import_runtime: Callable[[], dict], load: Callable[[dict], o
         first_ms = (time.perf_counter() - t) * 1000
         cold_ms = (time.perf_counter() - t0) * 1000 - data_ms
         spawn = os.environ.get("ODT_BENCH_SPAWN_TIME")  # the driver's time.time() just before starting us
-        for i in range(1, job["warmup"]):
+        warm = time.perf_counter()
+        for i in range(1, job["warmup"]):  # a slow model (a zoo network) warms up for a quarter of the budget at most
+            if time.perf_counter() - warm > job["time_budget_s"] / 4:
+                break
             session.train_step(*batches[i % len(batches)])
         train_ms, last = timed_steps(session.train_step, batches, job["steps"], job["time_budget_s"])
         session.eval_step(*batches[0])  # warm the eval path
