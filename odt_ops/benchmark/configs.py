@@ -1,6 +1,10 @@
 """The benchmark's configurations: one layer list per model, from which both the forward
 ONNX model (for odt and ONNX Runtime) and the torch.nn model are built, with the same
 initial weights, so every peer trains the same function on the same data.
+
+A zoo configuration takes one of the networks the onnx wheel ships instead (normalized
+by odt_ops, seeded weights, logits instead of the final Softmax, any batch); PyTorch
+then runs the same ONNX graph node by node with torch.nn.functional.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ class Config:
     classes: int = 10
     seed: int = 0
     default: bool = True  # part of the default run
+    zoo: str | None = None  # one of the onnx wheel's light zoo models, instead of layers
+    batches: tuple[int, ...] | None = None  # its own batches, used unless --batches is given
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -53,15 +59,22 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config("cnn-adamw", "CNN conv8-pool-conv16-pool-fc10 on 1x28x28, AdamW", _CNN, (1, 28, 28), "AdamW", 1e-3),
     Config("personal-adamw", "784-256-128 frozen (ReLU), Gemm 10 head trained, AdamW", _PERSONAL, (784,), "AdamW", 1e-3,
            frozen=("fc0.weight", "fc0.bias", "fc1.weight", "fc1.bias")),
+    Config("resnet50", "ResNet-50 (the onnx wheel's zoo model, seeded weights) on 3x224x224, AdamW", (), (3, 224, 224),
+           "AdamW", 1e-3, classes=1000, zoo="resnet50", batches=(4,), default=False),
 )}
 
 
-def parameter_names(config: Config) -> list[str]:
-    return [f"{layer['name']}.{p}" for layer in config.layers if "name" in layer for p in ("weight", "bias")]
+def parameter_names(config: Config, model: onnx.ModelProto | None = None) -> list[str]:
+    """Every trainable or frozen parameter: float initializers, less BatchNormalization statistics."""
+    if config.zoo is None:
+        return [f"{layer['name']}.{p}" for layer in config.layers if "name" in layer for p in ("weight", "bias")]
+    model = forward_model(config) if model is None else model
+    stats = {n.input[i] for n in model.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)}
+    return [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and t.name not in stats]
 
 
-def trainable(config: Config) -> list[str]:
-    return [n for n in parameter_names(config) if n not in config.frozen]
+def trainable(config: Config, model: onnx.ModelProto | None = None) -> list[str]:
+    return [n for n in parameter_names(config, model) if n not in config.frozen]
 
 
 def initial_weights(config: Config) -> dict[str, np.ndarray]:
@@ -83,6 +96,8 @@ def initial_weights(config: Config) -> dict[str, np.ndarray]:
 
 def forward_model(config: Config, weights: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """The forward-only ONNX model ('input' -> 'output' logits), as a user would export it."""
+    if config.zoo is not None:
+        return zoo_model(config)
     weights = initial_weights(config) if weights is None else weights
     nodes, x = [], "input"
     for i, layer in enumerate(config.layers):
@@ -113,6 +128,82 @@ def forward_model(config: Config, weights: dict[str, np.ndarray] | None = None) 
                               producer_name="odt_ops.benchmark")
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def zoo_model(config: Config) -> onnx.ModelProto:
+    """The zoo network normalized by odt_ops (opset 21, weights folded into initializers),
+    re-initialized with seeded weights (the shipped ones are one constant each), ending
+    in logits (its final Softmax removed: the loss applies its own), for any batch size
+    (its Reshape to [1, N] becomes Flatten); two-input Sum is written as Add and an
+    AveragePool over the whole map as GlobalAveragePool, the same function in ops whose
+    gradients ORT training 1.19.2 has and survives."""
+    from pathlib import Path
+
+    from odt_ops.ir.load import load_model
+
+    path = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / f"light_{config.zoo}.onnx"
+    model = onnx.ModelProto()
+    model.CopyFrom(load_model(str(path)).proto)
+    graph = model.graph
+    last = graph.node[-1]
+    if last.op_type == "Softmax" and list(last.output) == [graph.output[0].name]:
+        graph.node.remove(last)
+        graph.output[0].name = last.input[0]
+    del graph.value_info[:]  # inferred for batch 1
+    inferred = onnx.shape_inference.infer_shapes(model).graph.value_info
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in inferred}
+    for i, node in enumerate(graph.node):  # each rewrite keeps the function
+        if node.op_type == "Sum" and len(node.input) == 2:  # ORT training has no gradient for Sum
+            node.op_type = "Add"
+        elif node.op_type == "Reshape" and _is_batch1_flatten(graph, node):  # Flatten keeps any batch
+            graph.node[i].CopyFrom(helper.make_node("Flatten", node.input[:1], node.output, axis=1, name=node.name))
+        elif (node.op_type == "AveragePool" and shapes.get(node.input[0], [])[2:] == _ints(node, "kernel_shape")
+              and not any(_ints(node, "pads"))):  # over the whole map (ORT training 1.19.2 crashes in its gradient)
+            graph.node[i].CopyFrom(helper.make_node("GlobalAveragePool", node.input, node.output, name=node.name))
+    graph.output[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    used = {name for n in graph.node for name in n.input}
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    roles = _weight_roles(graph)
+    rng = np.random.default_rng(config.seed)
+    for t in graph.initializer:
+        array = numpy_helper.to_array(t)
+        if array.dtype == np.float32:
+            t.CopyFrom(numpy_helper.from_array(_seeded(rng, array.shape, roles.get(t.name, "positive")), t.name))
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _is_batch1_flatten(graph: onnx.GraphProto, node: onnx.NodeProto) -> bool:
+    shape = next((numpy_helper.to_array(t) for t in graph.initializer if t.name == node.input[1]), None)
+    return shape is not None and shape.shape == (2,) and shape[0] == 1
+
+
+def _ints(node: onnx.NodeProto, name: str) -> list[int]:
+    return next((list(a.ints) for a in node.attribute if a.name == name), [])
+
+
+def _weight_roles(graph: onnx.GraphProto) -> dict[str, str]:
+    roles = {}
+    for node in graph.node:
+        if node.op_type in ("Conv", "Gemm") and len(node.input) > 1:
+            roles[node.input[1]] = "weight"
+            if len(node.input) > 2:
+                roles[node.input[2]] = "shift"
+        elif node.op_type == "BatchNormalization":
+            roles.update({node.input[1]: "positive", node.input[2]: "shift", node.input[3]: "shift", node.input[4]: "positive"})
+    return roles
+
+
+def _seeded(rng: np.random.Generator, shape, role: str) -> np.ndarray:
+    """He-normal weights (fan-in: every axis but the first), small shifts, scales and variances near 1."""
+    if role == "weight":
+        return (rng.standard_normal(shape) * np.sqrt(2 / np.prod(shape[1:]))).astype(np.float32)
+    if role == "shift":
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    return rng.uniform(0.5, 1.5, shape).astype(np.float32)
 
 
 def resolve(names: list[str] | None) -> list[Config]:

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m odt_ops.benchmark", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", metavar="NAME", help=f"default: {' '.join(c.name for c in cfgs.resolve(None))}; "
                    f"known: {' '.join(cfgs.CONFIGS)}")
-    p.add_argument("--batches", nargs="+", type=int, default=[16, 64, 256])
+    p.add_argument("--batches", nargs="+", type=int, help="default: 16 64 256 (a zoo configuration: its own, e.g. resnet50: 4)")
     p.add_argument("--steps", type=int, default=100, help="timed train steps per process (default 100)")
     p.add_argument("--warmup", type=int, default=10, help="untimed train steps first, the first one included (default 10)")
     p.add_argument("--eval-steps", type=int, default=30, help="timed eval steps per process (default 30)")
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [s for s in args.peers if s not in PEERS]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; peers are {','.join(PEERS)}")
-    if min(args.steps, args.warmup, args.eval_steps, args.repeats, *args.batches) < 1:
+    if min(args.steps, args.warmup, args.eval_steps, args.repeats, *(args.batches or [1])) < 1:
         p.error("--steps, --warmup, --eval-steps, --repeats and --batches must be >= 1")
     return args
 
@@ -88,15 +88,19 @@ def prepare(config: cfgs.Config, workdir: Path, envs: dict[str, PeerEnv], timeou
     """
     d = workdir / config.name
     d.mkdir(parents=True, exist_ok=True)
-    weights = cfgs.initial_weights(config)
+    model = cfgs.forward_model(config)
     forward = d / "forward.onnx"
-    onnx.save(cfgs.forward_model(config, weights), forward)
-    np.savez(d / "weights.npz", **weights)
-    common = {"forward": str(forward), "weights": str(d / "weights.npz")}
+    onnx.save(model, forward)
+    np.savez(d / "weights.npz", **{t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer})
+    common = {"forward": str(forward), "weights": str(d / "weights.npz"), "trainable": cfgs.trainable(config, model),
+              "frozen": list(config.frozen)}
+    if config.zoo:  # PyTorch runs the graph itself (workers/torch_graph.py), read without onnx
+        (d / "graph.json").write_text(json.dumps(graph_json(model)))
+        common["graph"] = str(d / "graph.json")
     ready: dict[str, dict] = {}
     if any(envs[p].python for p in ("odt", "ort-inference") if p in envs):
         try:
-            _odt_artifacts(config, forward, d / "odt")
+            odt_artifacts(config, forward, d / "odt", common["trainable"])
             ready["odt"] = ready["ort-inference"] = {**common, "artifacts": str(d / "odt")}
         except Exception as exc:  # the engine cannot build this model: both columns say so
             ready["odt"] = ready["ort-inference"] = {"status": "failed", "reason": f"generate_artifacts: {type(exc).__name__}: {exc}"}
@@ -111,13 +115,27 @@ def prepare(config: cfgs.Config, workdir: Path, envs: dict[str, PeerEnv], timeou
     return ready
 
 
-def _odt_artifacts(config: cfgs.Config, forward: Path, out: Path) -> None:
+def graph_json(model: onnx.ModelProto) -> dict:
+    def value(attr):
+        v = onnx.helper.get_attribute_value(attr)
+        return v.decode() if isinstance(v, bytes) else list(v) if isinstance(v, (list, tuple)) or hasattr(v, "__len__") else v
+
+    nodes = [{"op": n.op_type, "name": n.name, "inputs": list(n.input), "outputs": list(n.output),
+              "attrs": {a.name: value(a) for a in n.attribute}} for n in model.graph.node]
+    return {"input": model.graph.input[0].name, "output": model.graph.output[0].name, "nodes": nodes}
+
+
+def odt_artifacts(config: cfgs.Config, forward: Path, out: Path, trainable: list[str]) -> None:
     from odt_ops import artifacts
 
     out.mkdir(exist_ok=True)
     optimizer = {"AdamW": artifacts.OptimType.AdamW, "SGD": artifacts.OptimType.SGD}[config.optimizer]
-    artifacts.generate_artifacts(str(forward), requires_grad=cfgs.trainable(config), frozen_params=list(config.frozen),
+    artifacts.generate_artifacts(str(forward), requires_grad=trainable, frozen_params=list(config.frozen),
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=optimizer, artifact_directory=out)
+
+
+def _batches(config: cfgs.Config, args: argparse.Namespace) -> list[int]:
+    return args.batches or list(config.batches or (16, 64, 256))
 
 
 def machine_info() -> dict:
@@ -144,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{env.name:14s} {env.python or 'missing: ' + env.reason}")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="odt-bench-"))
     doc = {"schema": SCHEMA, "machine": machine_info(),
-           "settings": {"configs": [c.name for c in configs], "batches": args.batches, "steps": args.steps,
+           "settings": {"configs": [c.name for c in configs], "batches": {c.name: _batches(c, args) for c in configs}, "steps": args.steps,
                         "warmup": args.warmup, "eval_steps": args.eval_steps, "repeats": args.repeats,
                         "time_budget_s": args.time_budget, "peers": args.peers, "threads": 1},
            "peers": {p: {"available": e.python is not None, "python": e.python, "reason": e.reason or None}
@@ -154,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for config in configs:
             ready = prepare(config, workdir, envs, args.worker_timeout)
-            for batch in args.batches:
+            for batch in _batches(config, args):
                 runs: dict[str, list[dict]] = {p: [] for p in args.peers}
                 for r in range(args.repeats):
                     k = r % len(args.peers)

@@ -27,14 +27,15 @@ from odt_ops.benchmark.driver import ONE_THREAD
 def _session(config, directory: str, batch: int):
     from odt_ops.api import CheckpointState, Module, Optimizer
     from odt_ops.benchmark import configs as cfgs
-    from odt_ops.benchmark.driver import _odt_artifacts
+    from odt_ops.benchmark.driver import odt_artifacts
 
     import onnx
 
+    model = cfgs.forward_model(config)
     forward = Path(directory) / "forward.onnx"
-    onnx.save(cfgs.forward_model(config), forward)
+    onnx.save(model, forward)
     out = Path(directory) / "odt"
-    _odt_artifacts(config, forward, out)
+    odt_artifacts(config, forward, out, cfgs.trainable(config, model))
     state = CheckpointState.load_checkpoint(f"{out}/checkpoint")
     module = Module(f"{out}/training_model.onnx", state, f"{out}/eval_model.onnx")
     optimizer = Optimizer(f"{out}/optimizer_model.onnx", module)

@@ -1,6 +1,6 @@
 """Our artifacts on onnxruntime's ordinary inference build: training_model.onnx then
-optimizer_model.onnx with onnxruntime.InferenceSession, parameters and optimizer
-states fed back by name (the roles are read from the models' odt metadata, not from
+optimizer_model.onnx with onnxruntime.InferenceSession, parameters, buffers and
+optimizer states fed back by name (the roles are read from the models' odt metadata, not from
 odt_ops, which this worker does not import); one thread."""
 import time
 
@@ -36,13 +36,12 @@ class Session:
         self.eval_sess, _ = _session(f"{art}/eval_model.onnx")
         self.opt_sess, opt_meta = _session(f"{art}/optimizer_model.onnx")
         info = meta["odt.artifact"]
-        if info["buffers"]:
-            raise ValueError("this worker does not feed back buffers (BatchNormalization statistics)")
         self.data_names = [*info["user_inputs"], *info["labels"]]
         with np.load(job["weights"]) as w:
-            self.params = {n: w[n] for n in [*info["trainable"], *info["frozen"]]}
+            self.params = {n: w[n] for n in [*info["trainable"], *info["frozen"], *info["buffers"]]}
         self.grad_outputs = [info["gradients"][p] for p in info["trainable"]]
-        self.train_outputs = [info["loss"], *self.grad_outputs]
+        self.buffers = list(info["buffer_updates"])  # BatchNormalization statistics, updated each step
+        self.train_outputs = [info["loss"], *self.grad_outputs, *(info["buffer_updates"][b] for b in self.buffers)]
         self.slots = opt_meta["odt.optimizer"]["parameters"]  # per parameter: value, grad, states, outputs
         self.opt_outputs = [o for p in self.slots for o in p["outputs"]]  # new value, then new states
         self.states = {p["name"]: {s: np.zeros_like(self.params[p["name"]]) for s in p["states"]} for p in self.slots}
@@ -55,7 +54,9 @@ class Session:
     def train_step(self, x, y):
         feeds = dict(zip(self.data_names, (x, y)))
         feeds.update(self.params)
-        loss, *grads = self.train_sess.run(self.train_outputs, feeds)
+        loss, *rest = self.train_sess.run(self.train_outputs, feeds)
+        grads = rest[: len(self.grad_outputs)]
+        self.params.update(zip(self.buffers, rest[len(self.grad_outputs):]))
         self.step += 1
         opt_feeds = {"learning_rate": self.lr, "step": np.array(self.step, np.int64)}
         for p, g in zip(self.slots, grads):

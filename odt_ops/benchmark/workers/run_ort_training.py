@@ -45,11 +45,10 @@ def prepare(job: dict) -> None:
     os.makedirs(job["artifacts"], exist_ok=True)
     config = job["config"]
     optimizers = {"AdamW": artifacts.OptimType.AdamW, "SGD": artifacts.OptimType.SGD}
-    names = [f"{layer['name']}.{p}" for layer in config["layers"] if "name" in layer for p in ("weight", "bias")]
     artifacts.generate_artifacts(
         onnx.load(job["forward"]),
-        requires_grad=[n for n in names if n not in config["frozen"]],
-        frozen_params=list(config["frozen"]),
+        requires_grad=job["trainable"],
+        frozen_params=job["frozen"],
         loss=artifacts.LossType.CrossEntropyLoss,
         optimizer=optimizers[config["optimizer"]],
         artifact_directory=job["artifacts"],

@@ -1,4 +1,5 @@
-"""PyTorch eager: the same layers as torch.nn modules with the same initial weights,
+"""PyTorch eager: the same layers as torch.nn modules with the same initial weights (a
+zoo network: its ONNX graph run with torch.nn.functional, see torch_graph.py),
 mean cross-entropy, torch.optim.AdamW (onnxruntime's defaults: eps 1e-6, no weight
 decay) or plain torch.optim.SGD, zero_grad() as the gradient reset; one thread."""
 import time
@@ -48,7 +49,16 @@ class Session:
     def __init__(self, job: dict):
         config = job["config"]
         with np.load(job["weights"]) as w:
-            self.model = build(config, {k: w[k] for k in w.files})
+            weights = {k: w[k] for k in w.files}
+        if config["zoo"]:  # the zoo network's own ONNX graph, node by node
+            import json
+
+            from torch_graph import GraphModule
+
+            with open(job["graph"]) as f:
+                self.model = GraphModule(json.load(f), weights, set(job["trainable"]))
+        else:
+            self.model = build(config, weights)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if config["optimizer"] == "AdamW":
             self.optimizer = torch.optim.AdamW(params, lr=config["lr"], betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
