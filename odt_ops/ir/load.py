@@ -6,15 +6,19 @@ shapes, and verify every op has a kernel, so that a model that loads also runs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 import onnx
 from google.protobuf.message import DecodeError
 
 from odt_ops.errors import ModelCheckError, ModelLoadError, UnsupportedOpError
 from odt_ops.ir import passes
-from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model, default_opset, tensor_to_array
+from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model, default_opset
 
 ModelSource = onnx.ModelProto | str | os.PathLike | bytes | Model
 
@@ -58,21 +62,77 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
     cannot lower keeps its opset, since kernels are registered per opset version.
     """
     model = read_model(source)
-    passes.complete_output_types(model)
-    _check(model, full=False)
-    if target_opset is not None and model.opset != target_opset:
-        _convert(model, target_opset)
+    if model.normalized and target_opset in (None, model.opset):
+        return model
+    with _weights_aside(model):  # the C++ passes below then never copy the weights
+        passes.complete_output_types(model)
+        _check(model, full=False)
+        if target_opset is not None and model.opset != target_opset:
+            _convert(model, target_opset)
     for p in (passes.inline_constant_nodes, passes.fold_constants, passes.unique_node_names):
         p(model)
     if batch_dim:
         passes.symbolic_batch_dim(model, batch_dim)
-    passes.infer_shapes(model)
+    with _weights_aside(model):
+        passes.infer_shapes(model)
     passes.fold_constants(model)  # Shape of now-known static shapes
     passes.prune_unused(model)
     model.proto.ir_version = ir_version_for(model.opset)
-    _check(model, full=True)
+    with _weights_aside(model):
+        _check(model, full=True)
     passes.require_kernels(model)
+    model.normalized = True
     return model
+
+
+HEAVY_BYTES = 1 << 16  # initializers above this stand aside during C++ passes
+
+
+@contextlib.contextmanager
+def _weights_aside(model: Model) -> Iterator[None]:
+    """Within, large initializers are stood in for by graph inputs of the same type.
+
+    Every C++ pass (checker, shape inference, version conversion) serializes the whole
+    model; with the weights aside it copies kilobytes instead of the weights. Shape
+    inference needs only small constants (shapes, axes), which stay in place. External
+    data stands aside too: the checker would look for it relative to the working
+    directory; its files are verified when the tensors are mapped.
+    """
+    graph = model.graph
+    heavy = [t for t in graph.initializer if _nbytes(t) > HEAVY_BYTES]
+    if not heavy:
+        yield
+        return
+    names = {t.name for t in heavy}
+    held = []
+    for t in heavy:
+        copy = onnx.TensorProto()
+        copy.CopyFrom(t)
+        held.append(copy)
+    keep = [t for t in graph.initializer if t.name not in names]
+    kept = []
+    for t in keep:
+        copy = onnx.TensorProto()
+        copy.CopyFrom(t)
+        kept.append(copy)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in held)
+    try:
+        yield
+    finally:
+        graph = model.graph  # a pass may have replaced the proto
+        inputs = [i for i in graph.input if i.name not in names]
+        del graph.input[:]
+        graph.input.extend(inputs)
+        graph.initializer.extend(held)
+        model.forget_arrays()
+
+
+def _nbytes(t: onnx.TensorProto) -> int:
+    if t.data_location == onnx.TensorProto.EXTERNAL or t.HasField("raw_data"):
+        return len(t.raw_data) if t.HasField("raw_data") else HEAVY_BYTES + 1
+    return int(np.prod(t.dims, dtype=np.int64)) * 4
 
 
 def ir_version_for(opset: int) -> int:
@@ -86,31 +146,9 @@ def ir_version_for(opset: int) -> int:
 
 def _check(model: Model, *, full: bool) -> None:
     try:
-        if _has_external_data(model):
-            _check_with_external_data(model, full)
-        else:
-            onnx.checker.check_model(model.proto, full_check=full)
+        onnx.checker.check_model(model.proto, full_check=full)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ModelCheckError(f"{model.source}: fails onnx.checker: {exc}") from None
-
-
-def _has_external_data(model: Model) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
-
-
-def _check_with_external_data(model: Model, full: bool) -> None:
-    """Check the graph with each external tensor stood in for by a graph input of its type:
-    the checker would look for the data relative to the working directory, and reading it
-    would hold a second copy. The data files themselves are verified when mapped."""
-    proto = onnx.ModelProto()
-    proto.CopyFrom(model.proto)
-    external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    for t in external:
-        proto.graph.initializer.remove(t)
-        proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    onnx.checker.check_model(proto, full_check=full)
-    for t in external:
-        tensor_to_array(t, model.base_dir, model.source)  # missing or short data files fail here, by name
 
 
 def _convert(model: Model, target: int) -> None:

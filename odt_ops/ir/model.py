@@ -21,6 +21,7 @@ class Model:
     proto: onnx.ModelProto
     base_dir: str | None = None  # directory that external tensor data is relative to
     source: str = "<in-memory model>"  # named in error messages
+    normalized: bool = False  # load_model has run on it: loading it again is a no-op
     _arrays: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @property

@@ -49,7 +49,7 @@ def fold_constants(model: Model) -> bool:
     from odt_ops.runtime.plan import bind_node
 
     graph = model.graph
-    const = dict(model.initializer_arrays())
+    const = _LazyConstants(graph.initializer, model)
     static_shapes = _static_shapes(graph)
     keep, added = [], []
     outputs = {o.name for o in graph.output}
@@ -87,6 +87,25 @@ def fold_constants(model: Model) -> bool:
     _replace_nodes(model, keep)
     prune_unused(model)
     return True
+
+
+class _LazyConstants(dict):
+    """Initializer arrays, decoded only when a foldable node reads them (weights mostly are not)."""
+
+    def __init__(self, initializers, model: Model):
+        super().__init__()
+        self._protos = {t.name: t for t in initializers}
+        self._model = model
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or name in self._protos
+
+    def __missing__(self, name: str) -> np.ndarray:
+        from odt_ops.ir.model import tensor_to_array
+
+        value = tensor_to_array(self._protos[name], self._model.base_dir, self._model.source)
+        self[name] = value
+        return value
 
 
 def unique_node_names(model: Model) -> bool:

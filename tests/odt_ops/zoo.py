@@ -45,13 +45,13 @@ def randomize_weights(proto: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
         role = roles.get(tensor.name, "positive")
         if role == "conv_weight":
             fan_in = int(np.prod(array.shape[1:]))
-            new = rng.standard_normal(array.shape) * np.sqrt(2.0 / fan_in)
+            new = rng.standard_normal(array.shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
         elif role in ("gemm_weight", "gemm_weight_t"):
             fan_in = array.shape[-1] if role == "gemm_weight_t" else array.shape[-2]
-            new = rng.standard_normal(array.shape) * np.sqrt(2.0 / fan_in)
+            new = rng.standard_normal(array.shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
         elif role == "shift":
-            new = rng.standard_normal(array.shape) * 0.1
+            new = rng.standard_normal(array.shape, dtype=np.float32) * np.float32(0.1)
         else:
-            new = rng.uniform(0.5, 1.5, array.shape)
+            new = rng.uniform(0.5, 1.5, array.shape).astype(np.float32)
         tensor.CopyFrom(numpy_helper.from_array(new.astype(array.dtype), tensor.name))
     return out
