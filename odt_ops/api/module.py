@@ -171,7 +171,8 @@ class Module:
                     view += g
             for target, new in zip(self._buffer_targets, outs[n + len(self._grad_views) :]):
                 np.copyto(target, new)
-        return outs[0] if n == 1 else outs[:n]
+        user = [np.asarray(o) for o in outs[:n]]  # 0-d results come back from numpy as scalars
+        return user[0] if n == 1 else user
 
     def lazy_reset_grad(self) -> None:
         """The next train step overwrites the gradients instead of adding to them."""

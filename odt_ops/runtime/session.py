@@ -52,6 +52,8 @@ def _fmt(shape: Sequence[object]) -> str:
 def _owned(result: np.ndarray, feeds: Sequence[np.ndarray]) -> np.ndarray:
     """Outputs that are views of a feed or a weight (Identity, Reshape, Expand...) are copied,
     so a caller writing into an output never changes its input or the model."""
+    if isinstance(result, np.generic):  # numpy ufuncs turn 0-d results into scalars
+        return np.asarray(result)
     if result.base is None and result.flags.writeable:
         return result
     return result.copy()
