@@ -91,6 +91,12 @@ class ScheduleName(Enum):
     cosine = "cosine"
 
 
+class PretrainMode(Enum):
+    auto = "auto"
+    train = "train"
+    skip = "skip"
+
+
 @dataclass
 class StyleConfig:
     """The simulated user's handwriting, applied to 32x32 bitmaps (see pipeline/prepare.py)."""
@@ -184,6 +190,10 @@ class TrainConfig:
     shuffle: bool = True
     checkpoint_every: int = 50
     log_every: int = 1
+    # continue from this checkpoint (e.g. data/promoted/checkpoint) instead of the base
+    init_checkpoint: Optional[str] = None
+    # its SHA-256: the checkpoint is not a DVC dependency, so this param is its cache key
+    init_sha256: Optional[str] = None
 
 
 @dataclass
@@ -197,6 +207,7 @@ class DeviceConfig:
 
 @dataclass
 class PretrainConfig:
+    mode: PretrainMode = PretrainMode.auto
     epochs: int = 15
     batch_size: int = 64
     optimizer: OptimizerName = OptimizerName.adamw
@@ -213,6 +224,7 @@ class EvaluateConfig:
 class ExportConfig:
     ir_version: int = 10
     check_onnxruntime: bool = True
+    check_atol: float = 1e-4
 
 
 @dataclass
@@ -220,6 +232,17 @@ class TrackingConfig:
     enabled: bool = True
     experiment: str = "odt"
     log_artifacts: bool = True
+
+
+@dataclass
+class RetrainConfig:
+    inbox: str = "data/user"
+    promoted_dir: str = "data/promoted"
+    state_dir: str = "data/retrain"
+    continue_from_promoted: bool = True
+    min_delta: float = 0.0
+    max_forgetting: Optional[float] = None
+    wait_seconds: float = 0.0
 
 
 @dataclass
@@ -236,6 +259,7 @@ class Config:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    retrain: RetrainConfig = field(default_factory=RetrainConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -412,6 +436,9 @@ def _check_values(cfg) -> None:
     need(cfg.train.epochs >= 1, "train.epochs", cfg.train.epochs, "an integer >= 1")
     need(cfg.train.checkpoint_every >= 0, "train.checkpoint_every", cfg.train.checkpoint_every, "an integer >= 0 (0: final checkpoint only)")
     need(cfg.train.log_every >= 1, "train.log_every", cfg.train.log_every, "an integer >= 1")
+    sha = cfg.train.init_sha256
+    need(sha is None or bool(re.fullmatch(r"[0-9a-f]{64}", sha)), "train.init_sha256", sha, "null or 64 lowercase hex digits (sha256sum of train.init_checkpoint)")
+    need(sha is None or bool(cfg.train.init_checkpoint), "train.init_sha256", sha, "null when train.init_checkpoint is null")
     dv = cfg.device
     need(dv.threads >= 1, "device.threads", dv.threads, "an integer >= 1")
     need(dv.batch_size >= 1, "device.batch_size", dv.batch_size, "an integer >= 1")
@@ -423,7 +450,14 @@ def _check_values(cfg) -> None:
     need(p.lr > 0, "pretrain.lr", p.lr, "a number > 0")
     need(p.weight_decay >= 0, "pretrain.weight_decay", p.weight_decay, "a number >= 0")
     need(cfg.evaluate.batch_size >= 1, "evaluate.batch_size", cfg.evaluate.batch_size, "an integer >= 1")
-    need(3 <= cfg.export.ir_version <= 13, "export.ir_version", cfg.export.ir_version, "an integer in [3, 13] (onnxruntime loads <= 13)")
+    need(10 <= cfg.export.ir_version <= 13, "export.ir_version", cfg.export.ir_version,
+         "an integer in [10, 13] (opset 21 models need IR >= 10; onnxruntime loads <= 13)")
+    need(cfg.export.check_atol > 0, "export.check_atol", cfg.export.check_atol, "a number > 0")
+    r = cfg.retrain
+    for key in ("inbox", "promoted_dir", "state_dir"):
+        need(bool(r[key]), f"retrain.{key}", r[key], "a path relative to the repository")
+    need(r.max_forgetting is None or r.max_forgetting >= 0, "retrain.max_forgetting", r.max_forgetting, "null or a number >= 0 (accuracy points as a fraction)")
+    need(r.wait_seconds >= 0, "retrain.wait_seconds", r.wait_seconds, "a number >= 0 (0: exit at once when a job is running)")
     need(bool(cfg.tracking.experiment), "tracking.experiment", cfg.tracking.experiment, "a non-empty experiment name")
 
 
@@ -570,6 +604,18 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(v, key))
         else:
             out[key] = v
+    return out
+
+
+def nest(flat: dict[str, Any]) -> dict:
+    """``{"a.b": 1}`` -> ``{"a": {"b": 1}}``, the inverse of ``flatten``."""
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return out
 
 
