@@ -8,6 +8,7 @@ the previous outputs as they were.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -57,11 +58,23 @@ def load_npz(path: str | os.PathLike, keys: tuple[str, ...] = ("x", "y"), *, wha
         raise DataError(f"{path}: not a readable .npz {what} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); rewrite it with np.savez") from None
 
 
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+KEEP = (".gitignore",)  # DVC's entries for a stage's cached files; they survive a rerun
+
+
 @contextlib.contextmanager
 def publish_dir(target: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty staging directory beside ``target``; on success it replaces
     ``target`` (rename, so the swap is all or nothing per directory), on error it is
-    deleted and ``target`` keeps its previous content."""
+    deleted and ``target`` keeps its previous content. The old directory's
+    ``.gitignore`` (written by DVC) is carried over."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
@@ -71,6 +84,9 @@ def publish_dir(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    for name in KEEP:
+        if (target / name).is_file() and not (staging / name).exists():
+            shutil.copy2(target / name, staging / name)
     old = None
     if target.exists():
         old = target.parent / f".{target.name}.old-{os.getpid()}"
@@ -87,4 +103,4 @@ def _umask() -> int:
     return mask
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "load_npz", "publish_dir", "save_npz", "write_json"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "load_npz", "publish_dir", "save_npz", "sha256_file", "write_json"]

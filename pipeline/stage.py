@@ -5,7 +5,9 @@
 3. call ``run`` with the stage's output directory redirected to a staging directory,
    and swap it into ``data/<stage>/`` only if ``run`` succeeded, so a failure leaves
    the previous outputs (this stage's and every earlier one's) intact;
-4. log the metrics and the listed output files to MLflow;
+4. log the metrics and the listed output files to MLflow, then call the stage's
+   ``after(cfg, paths, tracker)`` hook (PNG plots, files for the pipeline run) when
+   tracking is on; a failing hook is a warning, never a failed stage;
 5. report any error as one line on stderr (no traceback) and return its exit code:
    2 for configuration errors, 1 for bad inputs (data, model source, tracking store).
 """
@@ -37,7 +39,8 @@ def usage(stage: str) -> str:
     )
 
 
-def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts: Sequence[str] = ()) -> int:
+def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts: Sequence[str] = (),
+         after: Callable | None = None, describe: Callable[[dict], str] | None = None) -> int:
     """Run ``stage`` as DVC or a person would (``python -m pipeline.<stage> [overrides]``)."""
     from odt_ops.errors import OdtError
 
@@ -59,6 +62,12 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
             tracker.log_metrics(metrics)
             for name in artifacts:
                 tracker.log_artifact(paths.out(stage) / name, stage)
+            if after is not None and tracker.enabled:
+                try:
+                    after(cfg, paths, tracker)
+                except Exception as exc:  # plots and extras must not fail a stage whose outputs are published
+                    print(f"{stage}: warning: extra tracking failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                          file=sys.stderr)
     except PipelineError as exc:
         print(f"{stage}: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -68,7 +77,7 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
     except KeyboardInterrupt:
         print(f"{stage}: interrupted; earlier outputs are unchanged", file=sys.stderr)
         return 130
-    shown = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+    shown = describe(metrics) if describe is not None else ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
     print(f"{stage}: done in {time.perf_counter() - t0:.1f} s -> {paths.show(paths.out(stage))}/ ({shown})")
     return 0
 

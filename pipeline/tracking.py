@@ -68,8 +68,18 @@ class NullRun:
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         pass
 
+    def log_parent_metrics(self, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def log_parent_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        pass
+
     def flush(self) -> None:
         pass
+
+    @property
+    def enabled(self) -> bool:
+        return self.run_id is not None
 
 
 class StageRun(NullRun):
@@ -116,6 +126,21 @@ class StageRun(NullRun):
         elif path.is_file():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_parent_metrics(self, metrics: Mapping[str, Any]) -> None:
+        """Headline metrics on the pipeline run too, so its row in the UI shows them."""
+        from mlflow.entities import Metric
+
+        if not self.parent_run_id:
+            return
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if items:
+            self.client.log_batch(self.parent_run_id, metrics=items)
+
+    def log_parent_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        if self.parent_run_id and self.log_artifacts and Path(path).is_file():
+            self.client.log_artifact(self.parent_run_id, str(path), artifact_path)
+
     def flush(self) -> None:
         while self._buffer:
             chunk, self._buffer = self._buffer[:BATCH], self._buffer[BATCH:]
@@ -138,7 +163,7 @@ def stage_run(stage: str, cfg, *, config_source: str | None = None) -> Iterator[
 
     client, experiment_id = _client_and_experiment(cfg.tracking.experiment)
     try:
-        parent = _parent_run_id(client, experiment_id)
+        parent = _parent_run_id(client, experiment_id, cfg)
         tags = {**run_tags(stage), "mlflow.source.name": f"pipeline.{stage}", "mlflow.source.type": "LOCAL"}
         if config_source:
             tags["odt.config_source"] = config_source
@@ -228,7 +253,7 @@ def _client_and_experiment(name: str):
         ) from None
 
 
-def _parent_run_id(client, experiment_id: str) -> str | None:
+def _parent_run_id(client, experiment_id: str, cfg=None) -> str | None:
     given = os.environ.get(PARENT_ENV)
     if given:
         try:
@@ -247,6 +272,10 @@ def _parent_run_id(client, experiment_id: str) -> str | None:
     tags = {PIPELINE_KEY_TAG: key, "odt.stage": "pipeline", "mlflow.source.type": "LOCAL"}
     tags.update({k: v for k, v in run_tags("pipeline").items() if k not in ("odt.stage", "dvc.stage")})
     parent = client.create_run(experiment_id, run_name="pipeline", tags=tags)
+    if cfg is not None:  # the pipeline's configuration, as every stage sees it
+        from pipeline.config import flatten, to_container
+
+        StageRun(client, parent.info.run_id, None).log_params(flatten(to_container(cfg)))
     client.set_terminated(parent.info.run_id, "FINISHED")
     return parent.info.run_id
 
