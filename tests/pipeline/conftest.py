@@ -15,6 +15,8 @@ from pipeline.paths import Paths  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["data.user_samples=100", "data.user_train_per_class=3"]
+# the whole pipeline at test size: few digits for the user, few epochs
+TINY_RUN = [*TINY, "pretrain.epochs=2", "train.epochs=3", "train.checkpoint_every=4"]
 
 
 def load_cfg(*overrides: str):
@@ -38,6 +40,80 @@ def prepared(tmp_path_factory) -> Paths:
     paths = Paths(tmp_path_factory.mktemp("prepared"))
     prepare.run(load_cfg(), paths)
     return paths
+
+
+def run_stages(cfg, paths: Paths, stages=("pretrain", "generate", "train", "evaluate", "export")) -> dict:
+    """Run stage functions in order (as DVC would, without DVC); returns their metrics."""
+    import importlib
+
+    return {name: importlib.import_module(f"pipeline.{name}").run(cfg, paths) for name in stages}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Paths:
+    """Every stage's outputs at test size (TINY_RUN), in a temporary root."""
+    from pipeline import convert
+
+    paths = Paths(tmp_path_factory.mktemp("tiny_run"))
+    cfg = load_cfg(*TINY_RUN)
+    prepare.run(cfg, paths)
+    convert.run(cfg, paths)
+    run_stages(cfg, paths)
+    return paths
+
+
+def copy_outputs(src: Paths, dest: Path, stages=("prepare", "convert", "pretrain", "generate", "train", "evaluate", "export")) -> Paths:
+    for stage in stages:
+        if src.out(stage).exists():
+            shutil.copytree(src.out(stage), dest / "data" / stage)
+    return Paths(dest)
+
+
+PROJECT_FILES = ("pipeline", "conf", "odt_ops", "dvc.yaml", ".dvc/config", ".dvc/.gitignore", ".dvcignore", ".gitignore",
+                 "data/.gitignore", "data/README.md", "data/user/README.md", "data/models/README.md", "pyproject.toml")
+
+
+def project_copy(dest: Path, conf_values: str = "") -> Path:
+    """A git repository holding this working tree's project files (not its outputs,
+    caches or stores), with ``conf_values`` (YAML) appended to conf/config.yaml and
+    params.yaml composed from it, committed: what a fresh clone looks like."""
+    import subprocess
+
+    dest.mkdir(parents=True, exist_ok=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in PROJECT_FILES:
+        src = REPO / name
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        elif src.is_file():
+            shutil.copy2(src, dest / name)
+    for gitignore in REPO.glob("data/*/.gitignore"):  # DVC's entries for the stages' cached files
+        (dest / gitignore.relative_to(REPO)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(gitignore, dest / gitignore.relative_to(REPO))
+    if conf_values:
+        with open(dest / "conf" / "config.yaml", "a", encoding="utf-8") as f:
+            f.write("\n" + conf_values)
+    (dest / "params.yaml").write_text(config.compose_yaml(root=dest), encoding="utf-8")
+    git = ["git", "-c", "user.name=odt-test", "-c", "user.email=odt-test@localhost", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=dest, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "fresh clone"], cwd=dest, check=True)
+    return dest
+
+
+# conf values for a whole `dvc repro` at test size (appended to conf/config.yaml: _self_ wins)
+TINY_CONF = """\
+data:
+  user_samples: 100
+  user_train_per_class: 3
+pretrain:
+  epochs: 2
+train:
+  epochs: 3
+tracking:
+  enabled: false
+"""
 
 
 @pytest.fixture(scope="session")

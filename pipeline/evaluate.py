@@ -1,0 +1,101 @@
+"""Stage 6, evaluate: the base model (pretrain's) against the personalized one (train's
+checkpoint in generate's eval model, through odt_ops.api.Module in eval mode) on the
+user's holdout (did personalization pay off?) and on the global test set (what did
+it forget?).
+
+Outputs (data/evaluate/):
+
+- ``metrics.json`` (``dvc metrics show``): per split and model the accuracy and the
+  cross-entropy loss, plus ``personalization_gain`` (holdout accuracy, personalized
+  minus base) and ``forgetting`` (global-test accuracy, base minus personalized);
+- ``confusion_base.json``, ``confusion_personalized.json`` (``dvc plots``, confusion
+  template): one ``{actual, predicted}`` row per holdout sample.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import odt_ops
+from odt_ops.api import CheckpointState, Module
+from pipeline import training
+from pipeline.config import flatten
+from pipeline.errors import DataError
+from pipeline.io import write_json
+from pipeline.paths import Paths
+
+SPLITS = ("user_holdout", "global_test")
+MODELS = ("base", "personalized")
+
+
+def run(cfg, paths: Paths) -> dict:
+    gen = training.generated(paths)
+    base_path = paths.pretrained_model
+    ckpt = paths.out("train") / "checkpoint"
+    for path, stage in ((base_path, "pretrain"), (ckpt, "train")):
+        if not path.is_file():
+            raise DataError(f"{paths.show(path)}: {stage}'s output not found; run the pipeline from the start (dvc repro)")
+    encode = training.target_encoder(gen / "eval_model.onnx")
+    base = odt_ops.InferenceSession(base_path)
+    (inp,) = base.input_names()
+    module = Module(gen / "training_model.onnx", CheckpointState.load_checkpoint(ckpt), gen / "eval_model.onnx")
+    module.eval()
+    predict = {
+        "base": lambda x, t: base.run(None, {inp: x})[0],
+        "personalized": lambda x, t: module(x, t)[1],
+    }
+    bs = cfg.evaluate.batch_size
+    n = cfg.data.num_classes
+    results: dict = {}
+    out = paths.out("evaluate")
+    for name in SPLITS:
+        split = training.load_split(paths, name)
+        training.check_fits(split, gen / "eval_model.onnx", paths)
+        t = encode(split.y)
+        results[name] = {"n": len(split)}
+        for model in MODELS:
+            r = training.classification(training.batched(predict[model], split.x, t, bs), split.y, n)
+            results[name][model] = {"accuracy": r["accuracy"], "loss": r["loss"]}
+            if name == "user_holdout":
+                rows = [{"actual": int(a), "predicted": int(p)} for a, p in zip(split.y, r["predicted"])]
+                write_json(out / f"confusion_{model}.json", rows)
+    h, g = results["user_holdout"], results["global_test"]
+    results["personalization_gain"] = h["personalized"]["accuracy"] - h["base"]["accuracy"]
+    results["forgetting"] = g["base"]["accuracy"] - g["personalized"]["accuracy"]
+    write_json(out / "metrics.json", results)
+    return {k: v for k, v in flatten(results).items() if not k.endswith(".n")}
+
+
+def summary(metrics: dict) -> str:
+    """One line for people: the demo's headline numbers."""
+    m = flatten(metrics) if any(isinstance(v, dict) for v in metrics.values()) else metrics
+    return (f"user holdout: base {m['user_holdout.base.accuracy']:.3f} -> personalized {m['user_holdout.personalized.accuracy']:.3f} "
+            f"({100 * m['personalization_gain']:+.1f} points); global test: base {m['global_test.base.accuracy']:.3f} -> "
+            f"personalized {m['global_test.personalized.accuracy']:.3f} (forgetting {100 * m['forgetting']:.1f} points)")
+
+
+def after(cfg, paths: Paths, tracker) -> None:
+    import json
+
+    from pipeline import plots
+
+    out = paths.out("evaluate")
+    metrics = json.loads((out / "metrics.json").read_text())
+    tracker.log_parent_metrics({k: v for k, v in flatten(metrics).items() if not k.endswith(".n")})
+    if plots.available():
+        with tempfile.TemporaryDirectory(prefix="odt-plots-") as tmp:
+            matrices = [(m, plots.confusion_from_rows(out / f"confusion_{m}.json", cfg.data.num_classes)) for m in MODELS]
+            png = plots.confusion(matrices, Path(tmp) / "confusion_user_holdout.png", "the user's holdout: base vs personalized")
+            tracker.log_artifact(png, "plots")
+
+
+def main(argv=None) -> int:
+    from pipeline.stage import main as stage_main
+
+    return stage_main("evaluate", run, argv, artifacts=["metrics.json", "confusion_base.json", "confusion_personalized.json"],
+                      after=after, describe=summary)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

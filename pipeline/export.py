@@ -1,0 +1,132 @@
+"""Stage 7, export: what leaves the device.
+
+- ``inference.onnx``: the personalized model as a plain forward ONNX model
+  (Module.export_model_for_inferencing: the eval graph without loss and labels, the
+  trained weights baked in), written at ``export.ir_version``. It is checked on the
+  user's holdout and the global test set: odt_ops' InferenceSession must equal the
+  Module's eval step, and onnxruntime (when installed and
+  ``export.check_onnxruntime``) must agree with the engine within ``export.check_atol``.
+- ``model.odtdiff``: the model difference for federated learning
+  (odt_ops.export.model_diff: trained minus pretrained per trainable parameter, the
+  base's hash, the number of examples and steps behind it), checked by applying it
+  back to the base.
+- ``metrics.json``: the checks' numbers and the files' sizes.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+
+import odt_ops
+from odt_ops.api import CheckpointState, Module
+from odt_ops.checkpoint import load_checkpoint
+from odt_ops.export import apply_diff, load_diff, model_diff, save_diff
+from pipeline import training
+from pipeline.config import nest
+from pipeline.errors import DataError, PipelineError
+from pipeline.io import atomic_write_bytes, write_json
+from pipeline.paths import Paths
+
+
+class ExportCheckError(PipelineError):
+    """The exported model does not compute what the engine computes."""
+
+
+def run(cfg, paths: Paths) -> dict:
+    gen = training.generated(paths)
+    ckpt = paths.out("train") / "checkpoint"
+    if not ckpt.is_file():
+        raise DataError(f"{paths.show(ckpt)}: train's checkpoint not found; run the pipeline from the start (dvc repro)")
+    state = CheckpointState.load_checkpoint(ckpt)
+    module = Module(gen / "training_model.onnx", state, gen / "eval_model.onnx")
+    out = paths.out("export")
+    target = out / "inference.onnx"
+    module.export_model_for_inferencing(target)
+    proto = onnx.load(str(target))
+    if proto.ir_version != cfg.export.ir_version:
+        proto.ir_version = cfg.export.ir_version
+        onnx.checker.check_model(proto, full_check=True)
+        atomic_write_bytes(target, proto.SerializeToString())
+
+    splits = [training.load_split(paths, name) for name in ("user_holdout", "global_test")]
+    x = np.concatenate([s.x for s in splits])
+    y = np.concatenate([s.y for s in splits])
+    encode = training.target_encoder(gen / "eval_model.onnx")
+    module.eval()
+    reference = training.batched(lambda xb, tb: module(xb, tb)[1], x, encode(y), 512)
+    engine = odt_ops.InferenceSession(target)
+    (inp,) = engine.input_names()
+    ours = engine.run(None, {inp: x})[0]
+    atol = cfg.export.check_atol
+    vs_module = float(np.max(np.abs(ours - reference)))
+    if vs_module > atol:
+        raise ExportCheckError(f"{paths.show(target)}: odt_ops runs the exported model {vs_module:.3g} away from the Module's eval step "
+                               f"(export.check_atol={atol:g}); a bug in the export, please report it")
+    metrics: dict = {"inference_model_bytes": target.stat().st_size, "ir_version": proto.ir_version,
+                     "engine.max_abs_diff_vs_module": vs_module, "check_samples": len(x)}
+    metrics.update(_check_onnxruntime(cfg, paths, target, inp, x, ours))
+
+    n_train = len(training.load_split(paths, "user_train"))
+    steps = int(state.properties.get(training.TOTAL_STEPS, 0))
+    diff = model_diff(gen / "checkpoint", state, num_examples=n_train, num_steps=steps,
+                      metadata={"producer": "odt pipeline"})
+    diff_path = out / "model.odtdiff"
+    save_diff(diff, diff_path)
+    restored = apply_diff(load_checkpoint(gen / "checkpoint"), load_diff(diff_path))
+    trained = state.checkpoint.parameters
+    roundtrip = max(float(np.max(np.abs(restored.parameters[n] - trained[n]))) for n in diff.deltas)
+    if roundtrip > 1e-5:
+        raise ExportCheckError(f"{paths.show(diff_path)}: base + difference is {roundtrip:.3g} away from the trained weights; please report it")
+    metrics.update({
+        "diff.bytes": diff_path.stat().st_size,
+        "diff.parameters": int(sum(d.size for d in diff.deltas.values())),
+        "diff.l2_norm": float(np.sqrt(sum(float(np.sum(d.astype(np.float64) ** 2)) for d in diff.deltas.values()))),
+        "diff.roundtrip_max_abs_error": roundtrip,
+        "diff.examples": n_train,
+        "diff.steps": steps,
+    })
+    write_json(out / "metrics.json", nest(metrics))
+    return metrics
+
+
+def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours: np.ndarray) -> dict:
+    if not cfg.export.check_onnxruntime:
+        return {"onnxruntime.checked": 0}
+    try:
+        import onnxruntime
+    except ImportError:
+        print("export: onnxruntime is not installed; the exported model was checked with odt_ops only", file=sys.stderr)
+        return {"onnxruntime.checked": 0}
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    sess = onnxruntime.InferenceSession(str(target), options, providers=["CPUExecutionProvider"])
+    theirs = sess.run(None, {inp: x})[0]
+    diff = float(np.max(np.abs(theirs - ours)))
+    if diff > cfg.export.check_atol:
+        raise ExportCheckError(f"{paths.show(target)}: onnxruntime {onnxruntime.__version__} and odt_ops differ by {diff:.3g} on the "
+                               f"logits (export.check_atol={cfg.export.check_atol:g})")
+    return {"onnxruntime.checked": 1, "onnxruntime.max_abs_diff": diff,
+            "onnxruntime.argmax_agreement": float(np.mean(theirs.argmax(axis=1) == ours.argmax(axis=1)))}
+
+
+def after(cfg, paths: Paths, tracker) -> None:
+    """params.yaml and dvc.lock (as DVC has written it so far: every stage before this
+    one) on the pipeline run and this one."""
+    for name in ("params.yaml", "dvc.lock"):
+        path = paths.root / name
+        if path.is_file():
+            tracker.log_artifact(path, "pipeline")
+            tracker.log_parent_artifact(path)
+
+
+def main(argv=None) -> int:
+    from pipeline.stage import main as stage_main
+
+    return stage_main("export", run, argv, artifacts=["inference.onnx", "model.odtdiff", "metrics.json"], after=after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

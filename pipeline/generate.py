@@ -1,0 +1,81 @@
+"""Stage 4, generate: the training artifacts for the device, from the pretrained model.
+
+What is trainable comes from the ``trainable`` section (pipeline/selection.py: the
+whole model, the last N layers, or parameter globs; the head only by default); the
+loss from ``loss``; the optimizer graph from ``optimizer.name`` and
+``optimizer.hparams`` (baked into the graph). The learning rate and its schedule are
+fed at run time, so they are not params of this stage: changing them reruns train,
+never generate.
+
+Before anything is written, odt_ops.artifacts.check_coverage lists every node that
+lacks a kernel or a gradient rule on the way to a trainable parameter, all at once.
+
+Outputs (data/generate/): ``training_model.onnx``, ``eval_model.onnx``,
+``optimizer_model.onnx``, ``checkpoint`` (the pretrained weights, trainable and
+frozen), ``nominal_checkpoint`` (names, shapes and dtypes only: what a server ships
+to devices that already hold the weights) and ``artifacts.json`` (what is trained).
+The eval and training models also output the logits (an extra output), which
+evaluate reads.
+"""
+from __future__ import annotations
+
+import sys
+
+import odt_ops
+from odt_ops import artifacts
+from odt_ops.errors import UnsupportedOpError
+from pipeline import selection, training
+from pipeline.errors import DataError
+from pipeline.io import write_json
+from pipeline.paths import Paths
+
+
+def run(cfg, paths: Paths) -> dict:
+    source = paths.pretrained_model
+    if not source.is_file():
+        raise DataError(f"{paths.show(source)}: pretrain's model not found; run the pipeline from the start (dvc repro)")
+    model = odt_ops.load_model(source)
+    chosen = selection.select(model, cfg.trainable)
+    coverage = artifacts.check_coverage(model, chosen.trainable)
+    if coverage["missing"]:
+        raise UnsupportedOpError(coverage["missing"], what="kernel or gradient rule")
+    output = model.graph.output[0].name
+    out = paths.out("generate")
+    artifacts.generate_artifacts(
+        model,
+        requires_grad=chosen.trainable,
+        frozen_params=chosen.frozen,
+        loss=training.loss_block(cfg.loss),
+        optimizer=training.optimizer_block(cfg.optimizer.name, cfg.optimizer.hparams),
+        artifact_directory=out,
+        additional_output_names=[output],
+        nominal_checkpoint=True,
+    )
+    arrays = model.initializer_arrays()
+    n_trainable = int(sum(arrays[n].size for n in chosen.trainable))
+    n_all = int(coverage["all_parameters"])
+    summary = {
+        "input": next(i.name for i in model.graph.input if i.name not in arrays),
+        "output": output,
+        "trainable": chosen.trainable,
+        "frozen": chosen.frozen,
+        "trained_layers": chosen.trained_layers(),
+        "layers": [name for name, _ in chosen.layers],
+        "loss": cfg.loss.name.value,
+        "optimizer": cfg.optimizer.name.value,
+        "n_trainable_params": n_trainable,
+        "n_params": n_all,
+    }
+    write_json(out / "artifacts.json", summary)
+    return {"n_trainable_params": n_trainable, "n_params": n_all, "trainable_fraction": n_trainable / max(1, n_all),
+            "n_trained_layers": len(summary["trained_layers"])}
+
+
+def main(argv=None) -> int:
+    from pipeline.stage import main as stage_main
+
+    return stage_main("generate", run, argv, artifacts=["artifacts.json"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Stage 3, pretrain: the cloud step. The base model trained on the global data with
+the same engine the device uses (every parameter trainable, cross-entropy,
+``pretrain.optimizer``), exported as a forward-only ONNX model.
+
+``pretrain.mode``: ``auto`` trains sources whose weights are fresh initializations
+(the built-in models and PyTorch classes) and keeps an ONNX file as it is (already
+trained elsewhere); ``train`` and ``skip`` force either.
+
+Outputs (data/pretrain/): ``base.onnx`` (the model the device starts from; what
+evaluate calls "base"), ``metrics.json`` (accuracy and loss on the global train and
+test sets and on the user's holdout: the gap personalization has to close).
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import odt_ops
+from odt_ops import artifacts
+from odt_ops.api import CheckpointState, ConstantLRScheduler, Module, Optimizer
+from odt_ops.onnxblock import optim
+from pipeline import training
+from pipeline.config import ModelSource, OptimizerName, PretrainMode, flatten, nest
+from pipeline.errors import DataError
+from pipeline.io import write_json
+from pipeline.paths import Paths
+from pipeline.tracking import NullRun
+
+EVAL_SPLITS = ("global_train", "global_test", "user_holdout")
+
+
+def should_train(cfg) -> bool:
+    mode = cfg.pretrain.mode
+    if mode is PretrainMode.auto:
+        return cfg.model.source in (ModelSource.builtin, ModelSource.torch) and cfg.pretrain.epochs > 0
+    return mode is PretrainMode.train and cfg.pretrain.epochs > 0
+
+
+def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+    source = paths.base_model
+    if not source.is_file():
+        raise DataError(f"{paths.show(source)}: convert's model not found; run the pipeline from the start (dvc repro)")
+    splits = {name: training.load_split(paths, name) for name in EVAL_SPLITS}
+    training.check_fits(splits["global_train"], source, paths)
+    out = paths.out("pretrain")
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "base.onnx"
+    fit = None
+    if should_train(cfg):
+        fit = _train(cfg, source, splits["global_train"], target, tracker)
+    else:
+        shutil.copyfile(source, target)
+
+    sess = odt_ops.InferenceSession(target)
+    (inp,) = sess.input_names()
+    metrics: dict = {"trained": int(fit is not None)}
+    for name, split in splits.items():
+        logits = np.concatenate([sess.run(None, {inp: split.x[i : i + 512]})[0] for i in range(0, len(split), 512)])
+        result = training.classification(logits, split.y, cfg.data.num_classes)
+        metrics[f"{name}.accuracy"] = result["accuracy"]
+        metrics[f"{name}.loss"] = result["loss"]
+    if fit is not None:
+        metrics.update({"steps": fit.steps, "epochs": cfg.pretrain.epochs, "final_train_loss": float(np.mean(fit.losses[-_per_epoch(cfg, splits):]))})
+    write_json(out / "metrics.json", nest(metrics))
+    if fit is not None:
+        metrics["seconds"] = fit.seconds  # MLflow and the console only: metrics.json stays reproducible
+    return metrics
+
+
+def _per_epoch(cfg, splits) -> int:
+    return training.steps_per_epoch(len(splits["global_train"]), cfg.pretrain.batch_size)
+
+
+def _train(cfg, source: Path, split: training.Split, target: Path, tracker) -> training.FitResult:
+    p = cfg.pretrain
+    opt = optim.AdamW(weight_decay=p.weight_decay) if p.optimizer is OptimizerName.adamw else optim.SGD(momentum=0.9, weight_decay=p.weight_decay)
+    model = odt_ops.load_model(source)
+    output = model.graph.output[0].name
+    with tempfile.TemporaryDirectory(prefix="odt-pretrain-") as tmp:
+        tmp = Path(tmp)
+        artifacts.generate_artifacts(
+            model, requires_grad=artifacts.default_trainable(model), loss=artifacts.LossType.CrossEntropyLoss,
+            optimizer=opt, artifact_directory=tmp,
+        )
+        state = CheckpointState.load_checkpoint(tmp / "checkpoint")
+        module = Module(tmp / "training_model.onnx", state, tmp / "eval_model.onnx", seed=cfg.seed)
+        optimizer = Optimizer(tmp / "optimizer_model.onnx", module)
+        ConstantLRScheduler(optimizer, p.lr)
+
+        def on_step(step: int, epoch: int, loss: float, lr: float) -> None:
+            tracker.log_metric("loss", loss, step)
+
+        fit = training.fit(
+            module, optimizer, split.x, split.y, epochs=p.epochs, batch_size=p.batch_size, shuffle=True,
+            rng=np.random.default_rng(cfg.seed), on_step=on_step, desc="pretrain",
+        )
+        module.export_model_for_inferencing(target, [output])
+    return fit
+
+
+def after(cfg, paths: Paths, tracker) -> None:
+    tracker.log_parent_metrics({f"base.{k}": v for k, v in _flat_metrics(paths.out("pretrain") / "metrics.json").items()
+                                if k.endswith("accuracy")})
+
+
+def _flat_metrics(path: Path) -> dict:
+    import json
+
+    return flatten(json.loads(path.read_text()))
+
+
+def main(argv=None) -> int:
+    from pipeline.stage import main as stage_main
+
+    return stage_main("pretrain", run, argv, artifacts=["base.onnx", "metrics.json"], after=after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

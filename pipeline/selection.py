@@ -1,0 +1,79 @@
+"""What the device trains: the ``trainable`` section resolved to parameter names.
+
+- ``select: all``: every float parameter (not BatchNormalization running statistics);
+- ``select: last_n``: the parameters of the last ``last_n`` layers, a layer being a
+  node that uses parameters (Gemm, Conv, BatchNormalization, ...), counted from the
+  output back in graph order. ``last_n: 1`` is the classification head: the default
+  personalization;
+- ``select: globs``: parameters matching any of ``params`` (fnmatch globs on
+  initializer names, e.g. ``"*.bias"``, ``"head.*"``).
+
+``frozen`` globs then remove parameters whatever the selection said. Every parameter
+not trained is frozen: it stays in the checkpoint (so the checkpoint is the whole
+model) but gets no gradient.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import odt_ops
+from odt_ops import artifacts
+from pipeline.config import Select
+from pipeline.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Selection:
+    trainable: list[str]
+    frozen: list[str]
+    layers: list[tuple[str, list[str]]]  # (node name, its parameters), in graph order
+
+    def trained_layers(self) -> list[str]:
+        chosen = set(self.trainable)
+        return [name for name, params in self.layers if chosen & set(params)]
+
+
+def layers(model: odt_ops.Model, candidates: list[str]) -> list[tuple[str, list[str]]]:
+    """Nodes that use parameters, in graph order, each with its parameters (first use)."""
+    pool, seen, out = set(candidates), set(), []
+    for node in model.graph.node:
+        params = [i for i in node.input if i in pool and i not in seen]
+        if params:
+            seen.update(params)
+            out.append((node.name or node.op_type, params))
+    return out
+
+
+def select(model: odt_ops.Model, cfg) -> Selection:
+    """Resolve ``cfg`` (the ``trainable`` section) against the model's parameters."""
+    candidates = artifacts.default_trainable(model)
+    found = layers(model, candidates)
+    if cfg.select is Select.all:
+        chosen = list(candidates)
+    elif cfg.select is Select.last_n:
+        if cfg.last_n > len(found):
+            raise ConfigError(
+                f"trainable.last_n={cfg.last_n}: the model has {len(found)} layer(s) with parameters "
+                f"({'; '.join(f'{n}: ' + ', '.join(ps) for n, ps in found)}); use a smaller last_n or trainable=all"
+            )
+        chosen = [p for _, params in found[-cfg.last_n:] for p in params]
+    else:
+        unmatched = [g for g in cfg.params if not any(fnmatch.fnmatchcase(c, g) for c in candidates)]
+        if unmatched:
+            raise ConfigError(f"trainable.params: {unmatched} match no parameter of the model; its parameters are {_preview(candidates)}")
+        chosen = [c for c in candidates if any(fnmatch.fnmatchcase(c, g) for g in cfg.params)]
+    unmatched = [g for g in cfg.frozen if not any(fnmatch.fnmatchcase(c, g) for c in candidates)]
+    if unmatched:
+        raise ConfigError(f"trainable.frozen: {unmatched} match no parameter of the model; its parameters are {_preview(candidates)}")
+    chosen = [c for c in chosen if not any(fnmatch.fnmatchcase(c, g) for g in cfg.frozen)]
+    if not chosen:
+        raise ConfigError(
+            f"trainable: select={cfg.select.value} with frozen={list(cfg.frozen)} leaves nothing to train; "
+            f"the model's parameters are {_preview(candidates)}"
+        )
+    return Selection(chosen, [c for c in candidates if c not in set(chosen)], found)
+
+
+def _preview(names: list[str], n: int = 10) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
