@@ -40,6 +40,7 @@ def summarize_peer(runs: list[dict]) -> dict:
         "last_loss": runs[0]["last_loss"],
         "eval_loss": runs[0]["eval_loss"],
         "imports_torch": any(r["imports_torch"] for r in runs),
+        "load_average": float(np.median([r.get("load_average", np.nan) for r in runs])),
         "versions": runs[0]["versions"],
     }
     starts = [r["process_start_ms"] for r in runs if r.get("process_start_ms") is not None]
@@ -100,8 +101,11 @@ def render_tables(doc: dict) -> str:
         lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
         lines.insert(1, "-" * len(lines[0]))
         blocks.append(f"{TITLES[metric]}\n" + "\n".join(lines))
+    m = doc["machine"]
     notes = ["± is half the interquartile range of all timed steps, relative to the median; "
-             "ratios are odt's median over the peer's (below 1: odt is faster or smaller)."]
+             "ratios are odt's median over the peer's (below 1: odt is faster or smaller).",
+             f"{m['cores']} cores; 1-minute load average {m['load_average_start'][0]:.1f} at the start, "
+             f"{m.get('load_average_end', [float('nan')])[0]:.1f} at the end (above ~1, other processes skew the times)."]
     for peer, info in doc["peers"].items():
         if not info["available"]:
             notes.append(f"{peer}: missing ({info['reason']})")

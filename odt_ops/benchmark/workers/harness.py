@@ -126,6 +126,7 @@ def main(t0: float, import_runtime: Callable[[], dict], load: Callable[[dict], o
             last_loss=session.loss(last),
             eval_loss=session.loss(eval_out),
             imports_torch="torch" in sys.modules,
+            load_average=os.getloadavg()[0],  # other processes on the machine skew the times
         )
     except Exception as exc:  # reported, so one broken peer does not stop the run
         report({**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}",
