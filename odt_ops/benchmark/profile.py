@@ -112,6 +112,13 @@ def profile(config_name: str, batch: int, steps: int, top: int) -> str:
         by_op: dict[str, float] = defaultdict(float)
         for op, ms in nodes.values():
             by_op[op] += ms
+        module.eval()
+        eval_ms = _median_ms(lambda: module(x, y), steps)
+        eval_nodes = _node_times(module._eval["plan"], lambda: module(x, y), steps)
+        module.train()
+        lines.append(f"eval step {eval_ms:.3f} ms: kernels {sum(ms for _, ms in eval_nodes.values()):.3f} ms in "
+                     f"{len(eval_nodes)} nodes; top: " + ", ".join(
+                         f"{op} {key[:30]} {ms:.3f}" for key, (op, ms) in sorted(eval_nodes.items(), key=lambda kv: -kv[1][1])[:4]))
         lines.append("\nby op type (sum of the nodes' median ms, % of the Module call):")
         for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {op:28s} {ms:8.3f}  {ms / call_ms * 100:5.1f}%")
