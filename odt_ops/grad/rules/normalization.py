@@ -205,19 +205,21 @@ def _channel_window_sum(ctx, x: str, before: int, after: int) -> str:
 @gradient("Resize")
 def resize_grad(ctx, dY):
     """Resize is linear and separable: Y = X x_1 A_1 x_2 A_2 ... with one (out, in) interpolation
-    matrix per resized axis, so dX = dY x_1 A_1^T x_2 A_2^T ..., one MatMul per axis. Axes that
-    nearest-upsample by an integer factor f are summed in groups of f instead (one Reshape and
-    one ReduceSum for all of them)."""
+    matrix per resized axis, so dX = dY x_1 A_1^T x_2 A_2^T ... Spatial axes that upsample by
+    repetition (nearest, integer factor f) are one sum pool over f x f blocks; every other axis is
+    a MatMul by A, or, when A is long and sparse, a few Gathers of dY weighted and summed."""
     X = ctx.inputs[0]
+    rank = ctx.rank(X)
     matrices = _interpolation_matrices(ctx)
-    repeats = {axis: f for axis, f in ((axis, _repeat_factor(A)) for axis, A in matrices) if f}
-    if sum(not isinstance(d, int) for d in ctx.shape(dY)) > 1:
-        repeats = {}  # a Reshape infers one unknown dim only
+    blocks = {axis: f for axis, f in ((axis, _repeat_factor(A)) for axis, A in matrices) if f and axis >= 2}
     g = dY
     for axis, A in matrices:
-        if axis not in repeats:
-            g = _contract(ctx, g, ctx.const(A, like=X), axis)
-    return (_sum_repeats(ctx, g, repeats) if repeats else g,)
+        if axis not in blocks:
+            g = _resample_adjoint(ctx, g, A, axis, rank)
+    if blocks:
+        factors = [blocks.get(axis, 1) for axis in range(2, rank)]
+        g = ctx.b.Mul(ctx.b.AveragePool(g, kernel_shape=factors, strides=factors), ctx.const(math.prod(factors), like=X))
+    return (g,)
 
 
 def _interpolation_matrices(ctx) -> list[tuple[int, np.ndarray]]:
@@ -270,29 +272,31 @@ def _repeat_factor(A: np.ndarray) -> int | None:
     return f if np.array_equal(A, np.repeat(np.eye(n), f, axis=0)) else None
 
 
-def _contract(ctx, g: str, A: str, axis: int) -> str:
-    """g with its ``axis`` (length out) contracted against A (out, in): the adjoint of resampling."""
+def _resample_adjoint(ctx, g: str, A: np.ndarray, axis: int, rank: int) -> str:
+    """g with its ``axis`` (length out) contracted against A (out, in)."""
     b = ctx.b
-    rank = ctx.rank(g)
+    out_len, in_len = A.shape
+    nonzero = A.T != 0
+    taps = int(nonzero.sum(axis=1).max())
+    if taps and in_len > 16 * taps:  # (no taps: an empty output, and MatMul gives the zeros)
+        # sparse: input j collects A[i, j] * g[i] over the few outputs i it feeds, gathered
+        # tap by tap (unused tap slots read output 0 with weight 0)
+        index, weight = np.zeros((taps, in_len), np.int64), np.zeros((taps, in_len))
+        cols, rows = np.nonzero(nonzero)
+        slot = np.arange(cols.size) - np.searchsorted(cols, cols)  # rank of each entry in its column
+        index[slot, cols], weight[slot, cols] = rows, A[rows, cols]
+        along = (in_len,) + (1,) * (rank - 1 - axis)
+        terms = [b.Mul(b.Gather(g, ctx.ints(index[t]), axis=axis), ctx.const(weight[t].reshape(along), like=g))
+                 for t in range(taps)]
+        return b.Sum(*terms) if taps > 1 else terms[0]
+    M = ctx.const(A, like=g)
     if axis == rank - 1:
-        return b.MatMul(g, A)
+        return b.MatMul(g, M)
     if axis == rank - 2:
-        return b.MatMul(b.Transpose(A, perm=[1, 0]), g)
+        return b.MatMul(b.Transpose(M, perm=[1, 0]), g)
     perm = list(range(rank))
     perm[axis], perm[-1] = perm[-1], perm[axis]
-    return b.Transpose(b.MatMul(b.Transpose(g, perm=perm), A), perm=perm)
-
-
-def _sum_repeats(ctx, g: str, repeats: dict[int, int]) -> str:
-    """g with each repeated axis split into (in, f) and the f's summed away."""
-    split, summed = [], []
-    for axis, d in enumerate(ctx.shape(g)):
-        if axis in repeats:
-            split += [d // repeats[axis], repeats[axis]]
-            summed.append(len(split) - 1)
-        else:
-            split.append(d if isinstance(d, int) else -1)
-    return ctx.b.ReduceSum(ctx.b.Reshape(g, ctx.ints(split)), ctx.ints(summed), keepdims=0)
+    return b.Transpose(b.MatMul(b.Transpose(g, perm=perm), M), perm=perm)
 
 
 # ---------------------------------------------------------------- DepthToSpace / SpaceToDepth
