@@ -7,14 +7,14 @@ expressed as the pads it actually reads: the end pad may be negative when the la
 window stops short of the input's end, the start pad negative when a ConvTranspose
 output begins before its input grid.
 
-The adjoints are themselves convolutions:
+The adjoints, chosen for being exact and fast in the numpy engine (and plain ONNX):
 - the input gradient of a convolution is a ConvTranspose of dY by the same weights
-  (output_padding recovering the input positions no window reached), and the input
-  gradient of a ConvTranspose a Conv;
-- the weight gradient is one Conv over the batch: X with channels and batch swapped,
-  convolved by dY as the kernel, with stride and dilation exchanged;
-- average and Lp pools scatter dY back with a ConvTranspose by a ones kernel, one
-  channel at a time (channels folded into the batch);
+  (output_padding recovering the input positions no window reached; a stride-1
+  depthwise one is a Conv by the flipped kernel), and that of a ConvTranspose a Conv;
+- the weight gradient gathers the window columns with one strided Slice per kernel tap
+  and contracts them with dY in one MatMul per group, batch and positions together;
+- average and Lp pools spread dY back over their windows: with stride 1 an AveragePool
+  over the mirrored padding, else a ConvTranspose by a ones kernel;
 - MaxPool scatters dY to the forward's Indices output (ties: the index the forward
   picked, as onnxruntime and PyTorch do).
 """
@@ -128,33 +128,32 @@ def _mirrored_pads(window: _Window) -> list[int] | None:
 def _weight_grad(ctx, X: str, dY: str, window: _Window, group: int, spatial: tuple[int, ...]) -> str:
     """dW[m, c, k] = sum over n and output positions p of dY[n, m, p] * Xpad[n, c, p * s + k * d].
 
-    The windows' columns are gathered once, one strided Slice of the padded X per kernel tap
-    concatenated into (N, group, C/group * taps, positions), and contracted with dY as
-    (N, group, M/group, positions) by one batched MatMul; the batch is summed last. (A Conv
-    over the batch with dY as the kernel computes the same, but im2col of a kernel as large as
-    the image is an order of magnitude slower than this in the numpy engine.)"""
+    The windows' columns are gathered once, one strided Slice of the padded X per kernel tap,
+    with the batch moved next to the positions so that one MatMul per group contracts both:
+    (C/group * taps, N * positions) @ (N * positions, M/group). (The classic Conv over the batch
+    with dY as the kernel computes the same, but its im2col of an image-sized kernel runs an
+    order of magnitude slower in the numpy engine; a per-sample MatMul would hold N copies of dW.)"""
     b, rank = ctx.b, window.rank
     out = _spatial(ctx, dY)
-    x = _crop(ctx, X, window, spatial)
+    spatial_axes = _spatial_axes(rank)
+    x = b.Transpose(_crop(ctx, X, window, spatial), perm=[1, 0, *spatial_axes])  # (C, N, ...)
     if any(window.pads):
         pads = window.pads
         x = b.Pad(x, ctx.ints([0, 0, *pads[:rank], 0, 0, *pads[rank:]]))
-    axes = ctx.ints(_spatial_axes(rank))
+    axes = ctx.ints(spatial_axes)
     steps = ctx.ints(list(window.strides)) if any(s > 1 for s in window.strides) else None
     taps = []
     for offset in np.ndindex(*window.kernel):
         starts = [k * d for k, d in zip(offset, window.dilations)]
         ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, out, window.strides)]
-        taps.append(b.Unsqueeze(b.Slice(x, ctx.ints(starts), ctx.ints(ends), axes, steps), ctx.ints([2])))
-    cols = b.Concat(*taps, axis=2) if len(taps) > 1 else taps[0]  # (N, C, taps, *out)
-    positions = math.prod(out)
-    cols = b.Reshape(cols, ctx.ints([0, group, -1, positions]))
-    grads = b.Reshape(dY, ctx.ints([0, group, -1, positions]))
+        taps.append(b.Unsqueeze(b.Slice(x, ctx.ints(starts), ctx.ints(ends), axes, steps), ctx.ints([1])))
+    cols = b.Concat(*taps, axis=1) if len(taps) > 1 else taps[0]  # (C, taps, N, *out)
+    per_group = _channels(ctx, X) // group
+    cols = b.Reshape(cols, ctx.ints([group, per_group * len(taps), -1]))
+    grads = b.Reshape(b.Transpose(dY, perm=[1, 0, *spatial_axes]), ctx.ints([group, _channels(ctx, dY) // group, -1]))
     # cols @ grads^T rather than grads @ cols^T: BLAS was measured 5-25x faster this way round
-    # (the long positions axis is then the inner dimension of both operands)
-    per_sample = b.MatMul(cols, b.Transpose(grads, perm=[0, 1, 3, 2]))  # (N, group, C/group * taps, M/group)
-    dW = b.Transpose(b.ReduceSum(per_sample, ctx.ints([0]), keepdims=0), perm=[0, 2, 1])
-    return b.Reshape(dW, ctx.ints([-1, _channels(ctx, X) // group, *window.kernel]))
+    dW = b.MatMul(cols, b.Transpose(grads, perm=[0, 2, 1]))  # (group, C/group * taps, M/group)
+    return b.Reshape(b.Transpose(dW, perm=[0, 2, 1]), ctx.ints([-1, per_group, *window.kernel]))
 
 
 def _bias_grad(ctx, dY: str) -> str:
@@ -170,8 +169,8 @@ class _Shaped:
 
 @gradient("Conv")
 def conv_grad(ctx, dY):
-    """dX = ConvTranspose(dY, W) with the forward window, dW = Conv of X by dY over the batch
-    (stride and dilation swapped), dB = sum(dY) over all axes but the channels"""
+    """dX = ConvTranspose(dY, W) with the forward window, dW = sum over the batch and the output
+    positions of dY times the window columns of X, dB = sum(dY) over all axes but the channels"""
     X, W, B = ctx.inputs[:3]
     spatial, kernel, group = _spatial(ctx, X), _spatial(ctx, W), ctx.attrs["group"]
     window = _forward_window(_forward_geometry(ctx, spatial, kernel), spatial)
@@ -313,9 +312,9 @@ def _flat_zeros(ctx, X: str) -> str:
 def global_average_pool_grad(ctx, dY):
     """dX = dY / (number of spatial positions), broadcast over them"""
     b, X, (Y,) = ctx.b, ctx.inputs[0], ctx.outputs
-    xs, ys = ctx.static_shape(X), ctx.static_shape(Y)
-    if xs is not None and ys is not None:
-        scale = ctx.const(math.prod(ys) / math.prod(xs), like=X)
+    spatial = (ctx.shape(X) or (None,))[2:]
+    if spatial and all(isinstance(d, int) for d in spatial):
+        scale = ctx.const(1.0 / max(math.prod(spatial), 1), like=X)
     else:
         scale = b.Div(b.CastLike(b.Size(Y), X), b.CastLike(b.Size(X), X))
     return (b.Expand(b.Mul(dY, scale), ctx.shape_of(X)),)

@@ -231,9 +231,12 @@ def _interpolation_matrices(ctx) -> list[tuple[int, np.ndarray]]:
     if shape is None:
         raise ctx.fail(f"the rank of {X!r} is unknown")
     rank = len(shape)
-    values = {name: ctx.value(v) if v else None for name, v in (("roi", roi), ("scales", scales), ("sizes", sizes))}
-    if any(v and values[n] is None for n, v in (("roi", roi), ("scales", scales), ("sizes", sizes))):
-        raise ctx.fail("roi, scales and sizes must be constants to differentiate Resize")
+    mode = a["coordinate_transformation_mode"]
+    given = {"scales": scales, "sizes": sizes, **({"roi": roi} if mode == "tf_crop_and_resize" else {})}
+    values = {name: ctx.value(v) if v else None for name, v in given.items()}
+    if any(v and values[name] is None for name, v in given.items()):
+        raise ctx.fail(f"{' and '.join(given)} must be constants to differentiate Resize")
+    by_sizes = values["sizes"] is not None and values["sizes"].size > 0
     axes = [int(x) % rank for x in a.get("axes") or range(rank)]
     static = {ax: d for ax, d in enumerate(shape) if isinstance(d, int)}
     plan_shape = [static.get(ax, 1) for ax in range(rank)]
@@ -242,7 +245,6 @@ def _interpolation_matrices(ctx) -> list[tuple[int, np.ndarray]]:
                             a.get("keep_aspect_ratio_policy", "stretch"))
     except ValueError as exc:
         raise ctx.fail(str(exc)) from None
-    mode = a["coordinate_transformation_mode"]
     rois = [None] * len(axes)
     if mode == "tf_crop_and_resize":
         flat = np.asarray(values["roi"], dtype=np.float64).ravel()
@@ -253,7 +255,7 @@ def _interpolation_matrices(ctx) -> list[tuple[int, np.ndarray]]:
     matrices = []
     for (axis, out_len, scale), roi_ in zip(plan, rois):
         if axis not in static:
-            if scale != 1.0 or (roi_ is not None and tuple(roi_) != (0.0, 1.0)) or values["sizes"] is not None:
+            if scale != 1.0 or (roi_ is not None and tuple(roi_) != (0.0, 1.0)) or by_sizes:
                 raise ctx.fail(f"Resize along the symbolic axis {axis} is not differentiated")
             continue  # an unscaled axis is sampled exactly
         n = static[axis]
