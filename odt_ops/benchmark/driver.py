@@ -145,8 +145,11 @@ def machine_info() -> dict:
     except (OSError, StopIteration):
         pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root())
+    # the odt workers run the engine as it is in the work tree, uncommitted changes included
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "odt_ops"], capture_output=True, text=True, cwd=repo_root())
     return {"platform": platform.platform(), "cpu": cpu or platform.processor(), "cores": os.cpu_count(),
             "python": sys.version.split()[0], "git_commit": commit.stdout.strip() or None,
+            "engine_modified": bool(dirty.stdout.strip()) if commit.returncode == 0 else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "load_average_start": os.getloadavg()}
 
