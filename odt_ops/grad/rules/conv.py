@@ -231,7 +231,8 @@ def _window_sum_adjoint(ctx, g: str, X: str, window: _Window) -> str:
     mirrored = _mirrored_pads(window)
     if mirrored is not None and all(p < k for p, k in zip(mirrored, window.kernel * 2)):  # pools need pads < kernel
         dilations = list(window.dilations) if any(d > 1 for d in window.dilations) else None
-        total = b.AveragePool(g, kernel_shape=list(window.kernel), pads=mirrored, dilations=dilations, count_include_pad=1)
+        total = b.AveragePool(g, kernel_shape=list(window.kernel), pads=mirrored, dilations=dilations,
+                              count_include_pad=1)
         size = math.prod(window.kernel)
         return b.Mul(total, ctx.const(size, like=X)) if size > 1 else total
     planes = b.Reshape(g, ctx.ints([-1, 1, *_spatial(ctx, g)]))

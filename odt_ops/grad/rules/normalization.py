@@ -218,7 +218,8 @@ def resize_grad(ctx, dY):
             g = _resample_adjoint(ctx, g, A, axis, rank)
     if blocks:
         factors = [blocks.get(axis, 1) for axis in range(2, rank)]
-        g = ctx.b.Mul(ctx.b.AveragePool(g, kernel_shape=factors, strides=factors), ctx.const(math.prod(factors), like=X))
+        block_sums = ctx.b.AveragePool(g, kernel_shape=factors, strides=factors)
+        g = ctx.b.Mul(block_sums, ctx.const(math.prod(factors), like=X))
     return (g,)
 
 
