@@ -33,7 +33,7 @@ def matmul_grad(ctx, dY):
         dA = b.Squeeze(dA, ctx.ints([-2])) if ra == 1 else dA
     if ctx.needs(1):
         if rb_ == 2 and ra_ > 2:  # weight shared across a batch: fold the batch into one Gemm
-            dB = b.Gemm(b.Flatten(a_, axis=ra_ - 1), b.Flatten(g, axis=ctx.rank(ctx.outputs[0]) - 1), transA=1)
+            dB = b.Gemm(b.Flatten(a_, axis=ra_ - 1), b.Flatten(g, axis=ra_ - 1), transA=1)  # g has rank ra_ here
         elif ra_ == rb_ == 2:
             dB = b.Gemm(a_, g, transA=1)
         else:
