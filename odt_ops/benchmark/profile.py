@@ -95,7 +95,7 @@ def profile(config_name: str, batch: int, steps: int, top: int) -> str:
             optimizer.step()
             module.lazy_reset_grad()
 
-        for _ in range(20):
+        for _ in range(min(20, steps)):  # warm-up
             train_step()
         step_ms = _median_ms(train_step, steps)
         call_ms = _median_ms(lambda: module(x, y), steps)
