@@ -2,7 +2,9 @@
 project roots, prepared data, and a migrated MLflow SQLite store to copy."""
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,22 @@ def project_copy(dest: Path, conf_values: str = "") -> Path:
     subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "fresh clone"], cwd=dest, check=True)
     return dest
+
+
+def dvc_env(tmp_path: Path) -> dict:
+    """DVC's stages run `python`: make it this interpreter. A `torch` on the path that
+    only records being imported: the tripwire for `dvc repro` importing torch."""
+    trap = tmp_path / "trap"
+    (trap / "torch").mkdir(parents=True)
+    (trap / "torch" / "__init__.py").write_text(
+        f"open({str(tmp_path / 'torch-imported')!r}, 'a').write(__import__('sys').argv[0] + '\\n')\n"
+        "raise ImportError('torch is not for this pipeline run')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "ODT_", "MLFLOW_"))}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(trap),
+               DVC_NO_ANALYTICS="1", MLFLOW_DISABLE_TELEMETRY="true", GIT_AUTHOR_NAME="odt-test", GIT_AUTHOR_EMAIL="t@localhost",
+               GIT_COMMITTER_NAME="odt-test", GIT_COMMITTER_EMAIL="t@localhost")
+    return env
 
 
 # conf values for a whole `dvc repro` at test size (appended to conf/config.yaml: _self_ wins)

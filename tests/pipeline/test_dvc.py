@@ -1,0 +1,91 @@
+"""The real thing: `dvc repro` and `dvc exp run` in a temporary git copy of the project
+(a fresh clone: no outputs, no cache, no MLflow store) at test size.
+
+One scenario, in order (each step builds on the last, and running them as separate
+tests would redo the first, most expensive one): a first `dvc repro` runs every stage,
+a second does nothing; a new learning rate reruns train, evaluate and export only; a
+new trainable set reruns from generate; `-S optimizer.lr=3e-3 -S model=cnn` works;
+every experiment shows its metrics in `dvc exp show`; typos and bad values stop with
+the key named and leave the outputs in place. Torch is never imported on the way.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.pipeline.conftest import TINY_CONF, dvc_env, project_copy
+
+pytest.importorskip("dvc")
+
+ALL = ["prepare", "convert", "pretrain", "generate", "train", "evaluate", "export"]
+
+
+def dvc(repo: Path, env: dict, *args: str, ok: bool = True) -> tuple[list[str], str]:
+    """Run `dvc ARGS`; returns the stages that ran and the whole output."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == ok, out
+    return re.findall(r"Running stage '(\w+)'", out), out
+
+
+def test_dvc_repro_caching_and_overrides_in_a_fresh_clone(tmp_path):
+    repo = project_copy(tmp_path / "clone", TINY_CONF)
+    env = dvc_env(tmp_path)
+
+    ran, out = dvc(repo, env, "repro")
+    assert ran == ALL, out
+    assert "user holdout: base" in out  # evaluate's one-line summary
+    for path in ("data/export/inference.onnx", "data/export/model.odtdiff", "data/train/checkpoint", "data/evaluate/metrics.json",
+                 "data/train/curve.csv", "data/generate/training_model.onnx", "data/pretrain/base.onnx"):
+        assert (repo / path).is_file(), path
+    ran, out = dvc(repo, env, "repro")
+    assert ran == [] and out.count("didn't change, skipping") == len(ALL), out
+
+    # metrics and plots as DVC shows them
+    _, shown = dvc(repo, env, "metrics", "show", "--md")
+    assert "personalization_gain" in shown and "data/evaluate/metrics.json" in shown
+    _, plots = dvc(repo, env, "plots", "show", "--json")
+    for name in ("data/train/curve.csv", "data/evaluate/confusion_personalized.json"):
+        assert name in plots, plots[:500]
+    # what a person commits: the lock, DVC's .gitignore entries and the small metric files, never the cached outputs
+    subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
+    staged = subprocess.run(["git", "diff", "--cached", "--name-only"], cwd=repo, env=env, capture_output=True, text=True).stdout.split()
+    assert "dvc.lock" in staged and "data/evaluate/metrics.json" in staged
+    assert not [p for p in staged if p.endswith((".onnx", ".npz", "checkpoint", ".odtdiff"))], staged
+    subprocess.run(["git", "commit", "-q", "-m", "baseline"], cwd=repo, env=env, check=True)
+
+    # the learning rate is a runtime setting: train, evaluate, export only
+    ran, out = dvc(repo, env, "exp", "run", "-n", "lr", "-S", "optimizer.lr=1e-2")
+    assert ran == ["train", "evaluate", "export"], out
+    # what is trainable is baked into the artifacts: from generate on
+    ran, out = dvc(repo, env, "exp", "run", "-n", "all", "-S", "trainable=all")
+    assert ran == ["generate", "train", "evaluate", "export"], out
+    # a model group switch with a value, as the issue writes it
+    ran, out = dvc(repo, env, "exp", "run", "-n", "cnn", "-S", "optimizer.lr=3e-3", "-S", "model=cnn")
+    assert ran == ALL[1:], out
+    _, table = dvc(repo, env, "exp", "show", "--csv")
+    rows = {r["Experiment"]: r for r in csv.DictReader(io.StringIO(table)) if r.get("Experiment")}
+    assert {"lr", "all", "cnn"} <= set(rows), table
+    for name in ("lr", "all", "cnn"):  # each experiment's commit holds its metrics
+        assert float(rows[name]["personalization_gain"]) == float(rows[name]["personalization_gain"]), rows[name]
+    assert rows["lr"]["optimizer.lr"] == "0.01" and rows["cnn"]["model.arch"] == "cnn"
+
+    # a typo and a wrong type stop before any work, naming the key; outputs stay
+    before = {p: (repo / p).read_bytes() for p in ("data/convert/base.onnx", "data/train/checkpoint")}
+    _, out = dvc(repo, env, "exp", "run", "-S", "optimizer.lrr=1", ok=False)
+    assert "optimizer.lrr" in out, out
+    ran, out = dvc(repo, env, "exp", "run", "-S", "optimizer.lr=abc", ok=False)  # back to the mlp: convert is first to run
+    assert ran == ["convert"] and "convert: error: optimizer.lr='abc': expected a number" in out, out
+    assert {p: (repo / p).read_bytes() for p in before} == before  # persist: DVC left them, the stage never replaced them
+    # a missing data file: prepare names it and the fix; every output is still there
+    ran, out = dvc(repo, env, "exp", "run", "-S", "data.user_data=data/user/mine.npz", ok=False)
+    assert ran == ["prepare"] and "data/user/mine.npz" in out and "data.user_data=null" in out, out
+    assert (repo / "data/prepare/user_train.npz").is_file() and (repo / "data/export/inference.onnx").is_file()
+
+    assert not (tmp_path / "torch-imported").exists(), (tmp_path / "torch-imported").read_text()
