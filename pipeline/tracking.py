@@ -121,8 +121,8 @@ class StageRun(NullRun):
         if not self.log_artifacts:
             return
         path = Path(path)
-        if path.is_dir():
-            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        if path.is_dir():  # as a folder of that name, like a file keeps its name
+            self.client.log_artifacts(self.run_id, str(path), f"{artifact_path}/{path.name}" if artifact_path else path.name)
         elif path.is_file():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 

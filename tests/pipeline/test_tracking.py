@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import prepare, tracking
+from pipeline import tracking
 from pipeline.errors import TrackingError
-from tests.pipeline.conftest import TINY, load_cfg
+from tests.pipeline.conftest import TINY_RUN, load_cfg
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -121,14 +121,24 @@ def _get(url: str, body: dict | None = None):
     return raw if body is None and not raw.startswith("{") else json.loads(raw)
 
 
-def test_stage_runs_are_found_through_a_local_mlflow_server(project, mlflow_store, monkeypatch):
-    """prepare runs as a person runs it, logging to SQLite; a real `mlflow server` on
-    127.0.0.1 then serves the pipeline run, the stage run and its metrics over REST."""
+def test_pipeline_runs_are_found_through_a_local_mlflow_server(project, mlflow_store, monkeypatch):
+    """Every stage runs as a person runs it (`python -m pipeline.<stage> overrides`),
+    logging to SQLite under one pipeline run; a real `mlflow server` on 127.0.0.1 then
+    serves the pipeline run, the stage runs, their params, step metrics, evaluation
+    metrics and artifacts over its REST API, and is stopped."""
+    import importlib
+
     client = mlflow.MlflowClient(tracking_uri=mlflow_store)
     experiment_id = client.create_experiment("odt")
     parent = client.create_run(experiment_id, run_name="pipeline").info.run_id
     monkeypatch.setenv("ODT_PARENT_RUN_ID", parent)
-    assert prepare.main([*TINY]) == 0
+    (project / "params.yaml").write_text("# logged by export into the pipeline run\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], cwd=project, check=True)  # stage runs are tagged with it
+    stages = ["prepare", "convert", "pretrain", "generate", "train", "evaluate", "export"]
+    for stage in stages:
+        assert importlib.import_module(f"pipeline.{stage}").main([*TINY_RUN]) == 0, stage
 
     port = _free_port()
     server = subprocess.Popen(
@@ -137,6 +147,7 @@ def test_stage_runs_are_found_through_a_local_mlflow_server(project, mlflow_stor
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
+    api = f"{base}/api/2.0/mlflow"
     try:
         deadline = time.monotonic() + 240
         while True:
@@ -148,18 +159,43 @@ def test_stage_runs_are_found_through_a_local_mlflow_server(project, mlflow_stor
             assert server.poll() is None, "mlflow server exited"
             assert time.monotonic() < deadline, "mlflow server did not answer /health in 240 s"
             time.sleep(0.5)
-        experiments = _get(f"{base}/api/2.0/mlflow/experiments/search", {"max_results": 10})["experiments"]
+        experiments = _get(f"{api}/experiments/search", {"max_results": 10})["experiments"]
         odt = next(e for e in experiments if e["name"] == "odt")
-        runs = _get(f"{base}/api/2.0/mlflow/runs/search", {"experiment_ids": [odt["experiment_id"]], "max_results": 10})["runs"]
+        runs = _get(f"{api}/runs/search", {"experiment_ids": [odt["experiment_id"]], "max_results": 50})["runs"]
         by_name = {r["info"]["run_name"]: r for r in runs}
-        assert set(by_name) == {"pipeline", "prepare"}
-        stage = by_name["prepare"]
-        tags = {t["key"]: t["value"] for t in stage["data"]["tags"]}
-        assert tags["mlflow.parentRunId"] == parent and tags["odt.stage"] == "prepare"
-        metrics = {m["key"]: m["value"] for m in stage["data"]["metrics"]}
-        assert metrics["n_user_train"] == 30 and 0 < metrics["probe_acc_user_holdout"] < metrics["probe_acc_global_test"]
-        params = {p["key"]: p["value"] for p in stage["data"]["params"]}
-        assert params["data.user_samples"] == "100"
+        assert set(by_name) == {"pipeline", *stages}
+
+        def data(run, kind):
+            return {x["key"]: x["value"] for x in run["data"].get(kind, [])}
+
+        for stage in stages:
+            tags = data(by_name[stage], "tags")
+            assert tags["mlflow.parentRunId"] == parent and tags["odt.stage"] == stage and len(tags["git.commit"]) == 40
+            assert by_name[stage]["info"]["status"] == "FINISHED"
+            params = data(by_name[stage], "params")
+            assert params["data.user_samples"] == "100" and params["optimizer.lr"] == "0.003"
+        assert data(by_name["prepare"], "metrics")["n_user_train"] == 30
+        ev = data(by_name["evaluate"], "metrics")
+        assert ev["personalization_gain"] == pytest.approx(ev["user_holdout.personalized.accuracy"] - ev["user_holdout.base.accuracy"])
+        assert "forgetting" in ev and "global_test.personalized.accuracy" in ev
+        # headline metrics on the pipeline run itself
+        assert data(by_name["pipeline"], "metrics")["personalization_gain"] == pytest.approx(ev["personalization_gain"])
+        train_id = by_name["train"]["info"]["run_id"]
+        history = _get(f"{api}/metrics/get-history?run_id={train_id}&metric_key=loss")["metrics"]
+        assert sorted(m["step"] for m in history) == list(range(1, 7))  # the per-step curve
+        lr = _get(f"{api}/metrics/get-history?run_id={train_id}&metric_key=lr")["metrics"]
+        assert {m["value"] for m in lr} == {0.003}
+
+        def artifacts(run_id, path=""):
+            return {f["path"] for f in _get(f"{api}/artifacts/list?run_id={run_id}&path={path}").get("files", [])}
+
+        assert {"train/checkpoint", "train/checkpoints", "train/curve.csv"} <= artifacts(train_id, "train")
+        png = {"plots/loss_curve.png"} if plots_available() else set()
+        assert png <= artifacts(train_id, "plots")
+        ev_id = by_name["evaluate"]["info"]["run_id"]
+        assert ({"plots/confusion_user_holdout.png"} if plots_available() else set()) <= artifacts(ev_id, "plots")
+        assert {"export/inference.onnx", "export/model.odtdiff"} <= artifacts(by_name["export"]["info"]["run_id"], "export")
+        assert "params.yaml" in artifacts(parent)
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
         try:
@@ -167,3 +203,9 @@ def test_stage_runs_are_found_through_a_local_mlflow_server(project, mlflow_stor
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
+
+
+def plots_available() -> bool:
+    from pipeline import plots
+
+    return plots.available()
