@@ -58,6 +58,7 @@ def loss_curve(curve_csv: Path, path: Path, title: str = "on-device training") -
     ax2 = ax.twinx()
     ax2.plot(step, lr, lw=1.2, color="tab:orange", label="learning rate")
     ax2.set_ylabel("learning rate")
+    ax2.set_ylim(bottom=0, top=max(float(lr.max()) * 1.1, 1e-12))
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=8)

@@ -253,7 +253,7 @@ def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
     with tracking.stage_run("retrain", cfg, config_source="retrain: " + " ".join(overrides)) as tracker:
         record["mlflow_run_id"] = tracker.run_id
         tracker.set_tags({"retrain.job": job_id, "retrain.inbox_sha256": digest, "dvc.exp": job_id})
-        env = dict(os.environ, DVC_NO_ANALYTICS="1")
+        env = dict(os.environ, DVC_NO_ANALYTICS="1", ODT_PYTHON=os.environ.get("ODT_PYTHON") or sys.executable)  # stages: this python
         if tracker.run_id:
             env[tracking.PARENT_ENV] = tracker.run_id
         sets = [*overrides, *init]

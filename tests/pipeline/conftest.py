@@ -105,8 +105,9 @@ def project_copy(dest: Path, conf_values: str = "") -> Path:
 
 
 def dvc_env(tmp_path: Path) -> dict:
-    """DVC's stages run `python`: make it this interpreter. A `torch` on the path that
-    only records being imported: the tripwire for `dvc repro` importing torch."""
+    """DVC's stages run with this interpreter (ODT_PYTHON, see pipeline/stage.sh). A
+    `torch` on the path that only records being imported: the tripwire for `dvc repro`
+    importing torch."""
     trap = tmp_path / "trap"
     (trap / "torch").mkdir(parents=True)
     (trap / "torch" / "__init__.py").write_text(
@@ -114,7 +115,7 @@ def dvc_env(tmp_path: Path) -> dict:
         "raise ImportError('torch is not for this pipeline run')\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "ODT_", "MLFLOW_"))}
-    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(trap),
+    env.update(ODT_PYTHON=sys.executable, PYTHONPATH=str(trap),
                DVC_NO_ANALYTICS="1", MLFLOW_DISABLE_TELEMETRY="true", GIT_AUTHOR_NAME="odt-test", GIT_AUTHOR_EMAIL="t@localhost",
                GIT_COMMITTER_NAME="odt-test", GIT_COMMITTER_EMAIL="t@localhost")
     return env

@@ -103,7 +103,7 @@ def test_dvc_yaml_stages_read_existing_params_and_never_tracking():
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     for name, stage in dvc["stages"].items():
-        assert stage["cmd"] == f"python -m pipeline.{name}"
+        assert stage["cmd"] == f"sh pipeline/stage.sh {name}"  # python -m pipeline.<name>, with the project's python
         assert f"pipeline/{name}.py" in stage["deps"] and "pipeline/config.py" in stage["deps"]
         for dep in stage["deps"]:
             assert (REPO / dep).exists() or dep.startswith("data/") and dep.split("/")[1] in dvc["stages"], dep
