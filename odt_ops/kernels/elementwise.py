@@ -493,8 +493,45 @@ def mean(*data_0):
     return (total,)
 
 
+_BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _is_zero_scalar(bits: np.ndarray) -> bool:
+    return bits.size == 1 and bits.item() == 0
+
+
+def _select_bits(condition: np.ndarray, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    """np.where(condition, X, Y) for X and Y of one fixed-width dtype, as bitwise arithmetic.
+
+    np.where branches per element: on an unpredictable mask (a ReLU backward's) it runs
+    ~3.6 ns/element, ten times a few branch-free integer passes. The select works on the
+    raw bits (X ^ Y) & mask ^ Y with mask all-ones where the condition holds, so the
+    result is bit-identical (NaN payloads, -0.0). A scalar zero branch (ReLU backward's
+    Where(mask, dY, 0)) makes it one AND."""
+    bits = _BITS[X.dtype.itemsize]
+    Xb, Yb = X.view(bits), Y.view(bits)
+    out = np.empty(np.broadcast(condition, X, Y).shape, dtype=bits)
+    ones = condition.view(np.int8)  # numpy bools are bytes 0/1
+    if _is_zero_scalar(Yb):
+        np.negative(ones, out=out, casting="unsafe")  # 0 / -1 (all bits set), widened on the fly
+        np.bitwise_and(out, Xb, out=out)
+    elif _is_zero_scalar(Xb):
+        np.subtract(ones, np.int8(1), out=out, casting="unsafe")  # the mask of where Y is taken
+        np.bitwise_and(out, Yb, out=out)
+    else:
+        np.bitwise_xor(Xb, Yb, out=out)
+        np.bitwise_and(out, np.negative(ones), out=out)
+        np.bitwise_xor(out, Yb, out=out)
+    return out.view(X.dtype)
+
+
 @kernel("Where", since=9)
 def where(condition, X, Y):
+    # below a few thousand elements np.where's mispredictions cost less than the select's setup
+    large = max(condition.size, X.size, Y.size) >= 4096
+    if large and condition.dtype == np.bool_ and X.dtype == Y.dtype and X.dtype.itemsize in _BITS \
+            and X.dtype.kind in "biufcV":
+        return (_select_bits(condition, X, Y),)
     return (np.where(condition, X, Y),)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 
 import numpy as np
 import pytest
@@ -151,3 +152,79 @@ def test_float_ops_keep_the_input_dtype(name, dtype):
         got = np.asarray(FLOAT_OPS[name](X))
     assert got.dtype == dtype, f"{name}: {dtype.__name__} in, {got.dtype} out"
     np.testing.assert_array_equal(X, X_before)  # kernels never write to their inputs
+
+
+def _special_values(rng: np.random.Generator, dtype, shape) -> np.ndarray:
+    """Random values of ``dtype`` laced with NaN (two payloads), +-0, +-inf and extremes."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    x = rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "c":
+        x = x + 1j * rng.standard_normal(shape).astype(dtype)
+    flat = x.reshape(-1)
+    specials = [np.nan, -0.0, 0.0, np.inf, -np.inf]
+    picks = rng.integers(0, flat.size, size=min(flat.size, 3 * len(specials)))
+    for i, at in enumerate(picks):
+        flat[at] = specials[i % len(specials)]
+    if dtype.kind == "f" and flat.size > 1:  # a NaN with another payload and sign
+        bits = flat.view(f"u{dtype.itemsize}")
+        bits[-1] = np.array(np.nan, dtype).view(bits.dtype) | 1
+        flat[0] = -flat[-1]
+    return x
+
+
+WHERE_SHAPES = [  # condition, X, Y
+    ((5, 7), (5, 7), ()),
+    ((5, 7), (), (5, 7)),
+    ((5, 7), (5, 7), (5, 7)),
+    ((3, 1, 4), (1, 6, 1), (6, 4)),
+    ((2, 3, 4), (4,), ()),
+    ((), (3,), (3,)),
+    ((), (), ()),
+    ((4, 1), (1, 1), (1,)),
+    ((64, 80), (64, 80), ()),  # large enough for the kernel to take the select
+    ((70, 1, 64), (1, 3, 64), (3, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, "bfloat16", np.int8, np.uint8, np.int16,
+                                   np.int32, np.int64, np.uint64, np.bool_, np.complex64, np.complex128])
+@pytest.mark.parametrize("shapes", WHERE_SHAPES, ids=str)
+@pytest.mark.parametrize("y_kind", ["random", "zero", "negative-zero", "nan"])
+def test_where_is_bit_identical_to_np_where(dtype, shapes, y_kind):
+    """The bitwise select (all fixed-width dtypes) against np.where: same bits, shape and dtype."""
+    import ml_dtypes
+
+    from odt_ops.kernels.elementwise import _BITS, _select_bits
+
+    dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    rng = np.random.default_rng(zlib.crc32(repr((str(dtype), shapes, y_kind)).encode()))
+    c_shape, x_shape, y_shape = shapes
+    condition = rng.random(c_shape) < 0.5
+    X = _special_values(rng, np.float32 if dtype.kind == "V" else dtype, x_shape).astype(dtype)
+    Y = _special_values(rng, np.float32 if dtype.kind == "V" else dtype, y_shape).astype(dtype)
+    if y_kind != "random" and dtype.kind in "fcV":
+        Y = np.full(y_shape, {"zero": 0.0, "negative-zero": -0.0, "nan": np.nan}[y_kind], dtype=dtype)
+    elif y_kind == "zero":
+        Y = np.zeros(y_shape, dtype)
+    for a, b in ((X, Y), (Y, X)):  # a zero scalar on either side
+        want = np.where(condition, a, b)
+        candidates = [run("Where", condition, a, b)]
+        if dtype.itemsize in _BITS:  # the select itself, also below the size the kernel uses it from
+            candidates.append(_select_bits(condition, a, b))
+        for got in candidates:
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert got.tobytes() == want.tobytes()
+
+
+def test_where_on_strided_inputs():
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((6, 8)).astype(np.float32)
+    condition = rng.random((8, 6)) < 0.5
+    got = run("Where", condition.T, X[:, ::-1], np.float32(-0.0) * X[::2].repeat(2, axis=0))
+    want = np.where(condition.T, X[:, ::-1], np.float32(-0.0) * X[::2].repeat(2, axis=0))
+    assert got.tobytes() == want.tobytes()
