@@ -34,7 +34,7 @@ from odt_ops.errors import CheckpointError
 from pipeline import training
 from pipeline.config import nest
 from pipeline.errors import ConfigError, DataError
-from pipeline.io import atomic_write_text, sha256_file, write_json
+from pipeline.io import atomic_write_text, reproducible_zip, sha256_file, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NullRun
 
@@ -67,7 +67,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
             tracker.log_metric("lr", lr, step)
         if t.checkpoint_every and step % t.checkpoint_every == 0:
             state.properties[TOTAL_STEPS] = prior_steps + step
-            CheckpointState.save_checkpoint(state, out / "checkpoints" / f"step_{step:06d}", include_optimizer_state=True)
+            save(state, out / "checkpoints" / f"step_{step:06d}")
 
     with training.limit_threads(dv.threads):
         fit = training.fit(
@@ -76,7 +76,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
             max_seconds=dv.max_seconds, on_step=on_step, desc="train",
         )
     state.properties[TOTAL_STEPS] = prior_steps + fit.steps
-    CheckpointState.save_checkpoint(state, out / "checkpoint", include_optimizer_state=True)
+    save(state, out / "checkpoint")
     _write_curve(out / "curve.csv", rows)
 
     module.eval()
@@ -147,6 +147,12 @@ def continue_from(cfg, paths: Paths, state: CheckpointState) -> dict:
     if TOTAL_STEPS in init.properties:
         state.properties[TOTAL_STEPS] = int(init.properties[TOTAL_STEPS])
     return {"continued": 1}
+
+
+def save(state: CheckpointState, path: Path) -> None:
+    """A checkpoint with the optimizer state, byte-for-byte the same for the same state."""
+    CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
+    reproducible_zip(path)
 
 
 def _optimizer(gen: Path, module: Module, state: CheckpointState) -> tuple[Optimizer, bool]:
