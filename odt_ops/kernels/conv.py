@@ -522,6 +522,65 @@ def _max_with_indices(X: np.ndarray, Xp: np.ndarray, geo: _Geometry,
     return values, planes + where
 
 
+def _tiles(geo: _Geometry, spatial: Sequence[int]) -> bool:
+    """Whether the windows tile the input: kernel == stride, undilated, no padding read."""
+    return geo.kernel == geo.strides and all(d == 1 for d in geo.dilations) and not any(geo.begin) \
+        and all(r <= n for r, n in zip(geo.reach, spatial))
+
+
+def _offset_dtype(largest: int) -> np.dtype:
+    """The narrowest signed integer holding +-largest: the selects below move 1-2 bytes per element."""
+    return next(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64) if largest <= np.iinfo(t).max)
+
+
+def _max_with_indices_tiled(X: np.ndarray, geo: _Geometry, storage_order: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_max_with_indices`` for windows that tile the input (the common 2x2 stride 2).
+
+    The same passes, last window axis first, so ties and NaNs resolve exactly alike. The
+    strided taps of small planes cost numpy one short inner loop per output row in every
+    pass, so one copy first lays the input out tap-major, (*kernel, N, C, *out): each pass
+    then runs over whole contiguous blocks. Each value carries its offset from its window's
+    origin in the narrowest integer that holds it; the flat index is assembled once."""
+    N, C, *spatial = X.shape
+    rank = len(spatial)
+    plane = math.prod(spatial)
+    pitch = [math.prod(spatial[a + 1:]) for a in range(rank)]  # row-major plane strides
+    if storage_order:
+        pitch = [math.prod(spatial[:a]) for a in range(rank)]
+    grid = as_strided(X, writeable=False,
+                      shape=(N, C, *(n for o, k in zip(geo.out, geo.kernel) for n in (o, k))),
+                      strides=(*X.strides[:2], *(n for s, k in zip(X.strides[2:], geo.kernel) for n in (s * k, s))))
+    taps = np.empty((*geo.kernel, N, C, *geo.out), dtype=X.dtype)
+    np.copyto(taps, grid.transpose(*range(3, 2 + 2 * rank, 2), 0, 1, *range(2, 2 + 2 * rank, 2)))
+    offset_type = _offset_dtype(plane)
+    values, offsets = taps, None
+    for axis in reversed(range(rank)):  # values: (*kernel[:axis + 1], N, C, *out)
+        lead = (slice(None),) * axis
+        row = [values[(*lead, j)] for j in range(geo.kernel[axis])]
+        carried = [None if offsets is None else offsets[(*lead, j)] for j in range(geo.kernel[axis])]
+        best, at = row[0], carried[0]
+        for j, (tap, came) in enumerate(zip(row[1:], carried[1:]), start=1):
+            # at = better ? j steps along this axis + came : at, by arithmetic (no branchy select)
+            better = (tap > best).view(np.int8)
+            best = np.maximum(best, tap, out=None if j == 1 else best)  # the first one makes a fresh array
+            if at is None:  # no offsets yet: all zero
+                at = better * offset_type.type(j * pitch[axis])
+                continue
+            step = np.subtract(offset_type.type(j * pitch[axis]), at, dtype=offset_type)
+            if came is not None:
+                step += came
+            step *= better
+            at = at + step if j == 1 else np.add(at, step, out=at)
+        values, offsets = best, at
+    origin = sum(np.arange(o, dtype=np.int64).reshape((o,) + (1,) * (rank - 1 - a)) * (k * p)
+                 for a, (o, k, p) in enumerate(zip(geo.out, geo.kernel, pitch)))
+    planes = np.arange(N * C, dtype=np.int64).reshape(N, C, *(1,) * rank) * plane
+    indices = planes + origin
+    if offsets is not None:  # None: one-tap windows
+        indices += offsets
+    return values, indices
+
+
 @kernel("MaxPool", since=1)
 def max_pool(X, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None, storage_order=0,
              strides=None, _num_outputs=1):
@@ -529,6 +588,8 @@ def max_pool(X, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=
                          auto_pad=auto_pad, ceil_mode=ceil_mode)
     if storage_order not in (0, 1):
         raise ValueError(f"storage_order must be 0 (row major) or 1 (column major), got {storage_order}")
+    if _num_outputs > 1 and _tiles(geo, X.shape[2:]):
+        return _max_with_indices_tiled(X, geo, storage_order)
     Xp = _pad_for_windows(X, geo, _lowest(X.dtype))
     if _num_outputs > 1:
         return _max_with_indices(X, Xp, geo, storage_order)

@@ -210,3 +210,35 @@ def test_bad_attributes_name_the_node(op, attrs, message):
     plan = Plan(_model(op, feeds, attrs, None, 1).graph, {"": OPSET}, {}, list(feeds), ["out0"])
     with pytest.raises(KernelError, match=f"{op} node.*{message}"):
         plan.run(list(feeds.values()))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int8, np.uint8, np.int64])
+@pytest.mark.parametrize(("spatial", "kernel"), [
+    ((8, 8), (2, 2)), ((9, 7), (2, 2)), ((6, 9), (3, 3)), ((4, 6), (1, 2)), ((4, 6), (2, 1)), ((5, 5), (1, 1)),
+    ((10,), (2,)), ((11,), (3,)), ((4, 6, 6), (2, 3, 2)), ((5, 7, 4), (2, 2, 2)),
+])
+@pytest.mark.parametrize("storage_order", [0, 1])
+def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, storage_order):
+    """Windows that tile the input take the tap-major path: same values (bit for bit) and indices as the
+    general separable path, on ties, NaNs (two payloads), -0.0 and infinities, with cropped edges."""
+    from odt_ops.kernels.conv import _lowest, _max_with_indices, _pad_for_windows, _pool_geometry
+
+    rng = np.random.default_rng(sum(spatial) * 31 + sum(kernel) * 7 + storage_order)
+    for trial in range(6):
+        X = rng.integers(-3, 4, size=(3, 2, *spatial)).astype(dtype)  # few distinct values: many ties
+        if np.dtype(dtype).kind == "f":
+            X = X + X.dtype.type(0.5) * rng.standard_normal(X.shape).astype(dtype) * (trial % 3 == 0)
+            specials = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf], dtype=dtype)
+            mask = rng.random(X.shape) < (0.05 if trial < 3 else 0.4)
+            X[mask] = rng.choice(specials, size=int(mask.sum()))
+            nan_bits = X.view(f"u{X.itemsize}")
+            nan_bits[rng.random(X.shape) < 0.03] = np.array(-np.nan, dtype).view(nan_bits.dtype) | 1  # another payload
+        before = X.copy()
+        Y, I = max_pool(X, kernel_shape=list(kernel), strides=list(kernel), storage_order=storage_order, _num_outputs=2)
+        geo = _pool_geometry(X, "MaxPool", list(kernel), strides=list(kernel), dilations=None, pads=None,
+                             auto_pad="NOTSET", ceil_mode=0)
+        want_Y, want_I = _max_with_indices(X, _pad_for_windows(X, geo, _lowest(X.dtype)), geo, storage_order)
+        assert Y.dtype == want_Y.dtype and Y.shape == want_Y.shape and Y.tobytes() == want_Y.tobytes()
+        assert I.dtype == np.int64 and I.flags.c_contiguous
+        np.testing.assert_array_equal(I, want_I)
+        assert X.tobytes() == before.tobytes()
