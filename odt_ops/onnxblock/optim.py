@@ -72,7 +72,9 @@ class Optimizer:
             grads = [g * coef for g in grads]
         scalars = self.scalars(F32(lr), step)
         for p, g, s in zip(params, grads, states):
-            self.update_param(p, g, s, scalars)
+            # one scratch array per parameter, reused by every pass: the update writes into it
+            # with out= instead of allocating a temporary per operation
+            self.update_param(p, g, s, scalars, np.empty_like(p))
 
     def build_scalars(self, b, lr: str, step: str) -> dict[str, str]:
         return {"lr": lr}
@@ -106,15 +108,20 @@ class SGD(Optimizer):
             g = b.op("Add", [g, b.op("Mul", [buf, b.constant(F32(self.momentum))])]) if self.nesterov else buf
         return (b.op("Sub", [p.value, b.op("Mul", [g, s["lr"]])]), *new_states)
 
-    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict) -> None:
+    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict, tmp: np.ndarray) -> None:
+        # the graph's operations in its order; a + b == b + a exactly, so the sums may
+        # accumulate into the scratch
         if self.weight_decay:
-            g = g + p * F32(self.weight_decay)
+            g = np.add(np.multiply(p, F32(self.weight_decay), out=tmp), g, out=tmp)
         if self.momentum:
             (buf,) = states
             buf *= F32(self.momentum)
             buf += g
-            g = g + buf * F32(self.momentum) if self.nesterov else buf
-        p -= g * s["lr"]
+            if self.nesterov:
+                g = np.add(g, buf * F32(self.momentum), out=tmp)
+            else:
+                g = buf
+        p -= np.multiply(g, s["lr"], out=tmp)
 
 
 @dataclass(frozen=True)
@@ -185,29 +192,28 @@ class AdamW(Optimizer):
             value = b.op("Sub", [value, b.op("Mul", [b.op("Div", [m, denom]), s["step_size"]])])
         return value, m, v
 
-    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict) -> None:
+    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict, tmp: np.ndarray) -> None:
+        # the graph's operations in its order, each rounded as the graph rounds it; every
+        # temporary lives in tmp
         b1, b2 = self.betas
         m, v = states
         m *= F32(b1)
-        m += g * F32(1 - b1)
+        m += np.multiply(g, F32(1 - b1), out=tmp)
         v *= F32(b2)
-        v += (g * g) * F32(1 - b2)
-        denom = np.sqrt(v)
-        if self.mode == "ort":
-            denom += F32(self.eps)
-            step = np.divide(m, denom, out=denom)
-            step *= s["step_size"]
-            p -= step
-            if self.weight_decay:
-                p *= s["decay"]
-        else:
-            if self.weight_decay:
-                p *= s["decay"]
-            denom /= s["sqrt_bc2"]
-            denom += F32(self.eps)
-            step = np.divide(m, denom, out=denom)
-            step *= s["step_size"]
-            p -= step
+        np.multiply(g, g, out=tmp)
+        tmp *= F32(1 - b2)
+        v += tmp
+        if self.mode == "torch" and self.weight_decay:
+            p *= s["decay"]
+        np.sqrt(v, out=tmp)
+        if self.mode == "torch":
+            tmp /= s["sqrt_bc2"]
+        tmp += F32(self.eps)
+        np.divide(m, tmp, out=tmp)
+        tmp *= s["step_size"]
+        p -= tmp
+        if self.mode == "ort" and self.weight_decay:
+            p *= s["decay"]
 
 
 @dataclass(frozen=True)
@@ -228,7 +234,7 @@ class Adam(AdamW):
     def scalars(self, lr: np.float32, step: int) -> dict[str, np.float32]:
         return AdamW(betas=self.betas, eps=self.eps, mode="torch").scalars(lr, step)
 
-    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict) -> None:
+    def update_param(self, p: np.ndarray, g: np.ndarray, states, s: dict, tmp: np.ndarray) -> None:
         if self.weight_decay:
-            g = g + p * F32(self.weight_decay)
-        AdamW(betas=self.betas, eps=self.eps, mode="torch").update_param(p, g, states, s)
+            g = g + p * F32(self.weight_decay)  # a copy: tmp is the torch update's scratch
+        AdamW(betas=self.betas, eps=self.eps, mode="torch").update_param(p, g, states, s, tmp)

@@ -400,3 +400,15 @@ def test_training_loop_reproduces_torch(case, tmp_path):
         for kind, t in (("weight", net[2 * i].weight), ("bias", net[2 * i].bias)):
             np.testing.assert_allclose(state.parameters[f"fc{i}.{kind}"].data, t.detach().numpy(), rtol=1e-4, atol=1e-5,
                                        err_msg=f"fc{i}.{kind}")
+
+
+@pytest.mark.parametrize("case", list(ALL_OPTIMIZERS))
+def test_numpy_update_is_the_graph_bit_for_bit_on_odt(case):
+    """The in-place form keeps the graph's operations and their order, so on odt_ops's own
+    kernels the two agree exactly, not just within rounding."""
+    opt = ALL_OPTIMIZERS[case]
+    params, grads = _problem(seed=6)
+    want = _run_graph(opt, params, grads, "odt")
+    got = _run_update(opt, params, grads)
+    for n in want:
+        np.testing.assert_array_equal(got[n], want[n], err_msg=n)
