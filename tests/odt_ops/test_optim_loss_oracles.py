@@ -402,10 +402,11 @@ def test_training_loop_reproduces_torch(case, tmp_path):
                                        err_msg=f"fc{i}.{kind}")
 
 
-@pytest.mark.parametrize("case", list(ALL_OPTIMIZERS))
+@pytest.mark.parametrize("case", [c for c, opt in ALL_OPTIMIZERS.items() if opt.max_norm is None])
 def test_numpy_update_is_the_graph_bit_for_bit_on_odt(case):
     """The in-place form keeps the graph's operations and their order, so on odt_ops's own
-    kernels the two agree exactly, not just within rounding."""
+    kernels the two agree exactly, not just within rounding (clipping aside: its norm sums
+    the squares in another order)."""
     opt = ALL_OPTIMIZERS[case]
     params, grads = _problem(seed=6)
     want = _run_graph(opt, params, grads, "odt")
