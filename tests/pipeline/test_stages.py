@@ -317,6 +317,51 @@ def test_cnn_and_torch_sources_run_through_every_stage(tiny_run, tmp_path):
         assert json.loads((paths.out("generate") / "artifacts.json").read_text())["trainable"] == ["head.weight", "head.bias"]
 
 
+def _run_on(terminal: bool, args: list[str], env: dict) -> str:
+    """Run a command with stdout and stderr on a pseudo-terminal (100 columns) or a pipe."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    if not terminal:
+        return subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=120).stderr
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    proc = subprocess.Popen(args, env=env, cwd=REPO, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    while True:
+        if select.select([master], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=60)
+    os.close(master)
+    return out.decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_only(tiny_run, tmp_path):
+    import os
+
+    root = copy_outputs(tiny_run, tmp_path, stages=("prepare", "generate")).root
+    shutil.copytree(REPO / "conf", root / "conf")
+    env = {**os.environ, "ODT_PROJECT_ROOT": str(root)}
+    args = [sys.executable, "-m", "pipeline.train", "tracking=disabled", *TINY_RUN, "train.epochs=40"]
+    shown = _run_on(True, args, env)
+    assert "train:   0%|" in shown and "| 0/80 [" in shown and "step/s" in shown, shown  # 30 samples, batch 16: 80 steps
+    quiet = _run_on(False, args, env)
+    assert quiet.strip() == "" and "%|" not in quiet, quiet  # a pipe: no bar, no \r spam (the done line is on stdout)
+
+
 def test_stage_modules_import_neither_torch_nor_mlflow():
     """A `dvc repro` with model!=torch never pays for torch; mlflow loads only to track."""
     code = ("import sys; import pipeline.pretrain, pipeline.generate, pipeline.train, pipeline.evaluate, pipeline.export, "
