@@ -34,11 +34,17 @@ def write_tensor_file(path: str | os.PathLike, fmt: str, version: int, header: d
             if array.dtype.hasobject:
                 raise error(f"{path}: tensor {entry.get('name')!r} has dtype object; only numeric arrays are stored")
             key = f"t{i}"
-            with zf.open(f"{key}.npy", "w", force_zip64=array.nbytes > 2**31) as f:
+            with zf.open(_member(f"{key}.npy"), "w", force_zip64=array.nbytes > 2**31) as f:
                 np.lib.format.write_array(f, np.ascontiguousarray(array), allow_pickle=False)
             entries.append({"key": key, "shape": list(array.shape), "dtype": array.dtype.str, **entry})
         manifest = {"format": fmt, "format_version": version, **header, "tensors": entries}
-        zf.writestr(MANIFEST, json.dumps(manifest, indent=1))
+        zf.writestr(_member(MANIFEST), json.dumps(manifest, indent=1))
+
+
+def _member(name: str) -> zipfile.ZipInfo:
+    """A member with a fixed date, so the same tensors always make the same bytes (DVC
+    compares outputs by hash; a timestamp would make every rerun look like a change)."""
+    return zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
 
 
 def read_tensor_file(path: str | os.PathLike, fmt: str, version: int, error: type[OdtError], what: str) -> tuple[dict, list[tuple[dict, np.ndarray]]]:
