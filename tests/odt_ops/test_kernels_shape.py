@@ -219,3 +219,45 @@ def test_reshape_rejects_bad_shapes(data_shape, shape):
     model, feeds = one_node("Reshape", [np.zeros(data_shape, dtype=np.float32), ints(*shape)])
     with pytest.raises(odt_ops.KernelError, match="Reshape"):
         run_odt(model, feeds)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+@pytest.mark.parametrize(("data_shape", "axis", "indices_shape"), [
+    ((7,), 0, (5,)), ((5, 6), 0, (4, 6)), ((5, 6), 1, (3, 4)), ((4, 5, 6), 2, (4, 2, 3)), ((4, 5, 6), 1, (3, 5, 6)),
+    ((4, 5, 6), -3, (2, 1, 6)), ((2, 3, 4, 5), 3, (2, 3, 4, 5)), ((3, 4), 1, (0, 4)),
+])
+@pytest.mark.parametrize("index_dtype", [np.int64, np.int32])
+def test_scatter_elements_flat_index_matches_per_axis_indexing(reduction, data_shape, axis, indices_shape, index_dtype):
+    """The flat-index scatter against the per-axis index tuple numpy applies directly (ufunc.at for
+    the reductions, so duplicates accumulate in order), with negative indices and indices smaller
+    than data off the axis; unique indices for reduction none, where duplicates are undefined."""
+    local = np.random.default_rng(len(data_shape) * 100 + axis + len(indices_shape))
+    data = local.standard_normal(data_shape).astype(np.float32)
+    dim = data_shape[axis]
+    if reduction == "none":
+        full = list(indices_shape)
+        full[axis] = dim
+        indices = np.take(np.argsort(local.random(full), axis=axis), np.arange(indices_shape[axis]), axis=axis)
+    else:
+        indices = local.integers(0, dim, size=indices_shape)
+    indices = np.where(local.random(indices.shape) < 0.5, indices - dim, indices).astype(index_dtype)
+    updates = local.standard_normal(indices_shape).astype(np.float32)
+    before = data.copy()
+    (got,) = shape_kernels.scatter_elements(data, indices, updates, axis=axis, reduction=reduction)
+    grid = list(np.ogrid[tuple(slice(n) for n in indices_shape)])
+    grid[axis % len(data_shape)] = indices
+    want = data.copy()
+    if reduction == "none":
+        want[tuple(grid)] = updates
+    else:
+        {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}[reduction].at(want, tuple(grid), updates)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    assert data.tobytes() == before.tobytes()
+
+
+@pytest.mark.parametrize("bad", [5, -6])
+def test_scatter_elements_rejects_indices_past_the_axis(bad):
+    # in a flat index, 5 on an axis of 5 would silently land on the next row
+    indices = np.array([[0, bad]], dtype=np.int64)
+    with pytest.raises((ValueError, IndexError)):
+        shape_kernels.scatter_elements(np.zeros((3, 5), np.float32), indices, np.ones((1, 2), np.float32), axis=1)
