@@ -1,6 +1,8 @@
 """The ODT pipeline: Hydra-configured stages over odt_ops, chained by DVC, tracked in MLflow.
 
 One module per stage (prepare, convert, pretrain, generate, train, evaluate, export),
-each with a pure ``run(cfg, paths) -> metrics`` and a ``main()`` that loads and
-validates the configuration, opens the MLflow run and publishes the outputs.
+each with a pure ``run(cfg, paths) -> metrics`` and a ``main()`` (pipeline/stage.py)
+that loads and validates the configuration, opens the MLflow run and publishes the
+outputs; ``retrain`` is the scheduled job that reproduces the pipeline on new device
+data and promotes the result when it does not regress.
 """

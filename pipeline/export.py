@@ -26,7 +26,7 @@ from odt_ops.export import apply_diff, load_diff, model_diff, save_diff
 from pipeline import training
 from pipeline.config import nest
 from pipeline.errors import DataError, PipelineError
-from pipeline.io import atomic_write_bytes, reproducible_zip, write_json
+from pipeline.io import atomic_write_bytes, write_json
 from pipeline.paths import Paths
 
 
@@ -74,7 +74,6 @@ def run(cfg, paths: Paths) -> dict:
                       metadata={"producer": "odt pipeline"})
     diff_path = out / "model.odtdiff"
     save_diff(diff, diff_path)
-    reproducible_zip(diff_path)
     restored = apply_diff(load_checkpoint(gen / "checkpoint"), load_diff(diff_path))
     trained = state.checkpoint.parameters
     roundtrip = max(float(np.max(np.abs(restored.parameters[n] - trained[n]))) for n in diff.deltas)

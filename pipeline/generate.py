@@ -26,7 +26,7 @@ from odt_ops import artifacts
 from odt_ops.errors import UnsupportedOpError
 from pipeline import selection, training
 from pipeline.errors import DataError
-from pipeline.io import reproducible_zip, write_json
+from pipeline.io import write_json
 from pipeline.paths import Paths
 
 
@@ -51,8 +51,6 @@ def run(cfg, paths: Paths) -> dict:
         additional_output_names=[output],
         nominal_checkpoint=True,
     )
-    for name in ("checkpoint", "nominal_checkpoint"):
-        reproducible_zip(out / name)  # same inputs, same bytes (odt_ops stamps the time)
     arrays = model.initializer_arrays()
     n_trainable = int(sum(arrays[n].size for n in chosen.trainable))
     n_all = int(coverage["all_parameters"])

