@@ -13,11 +13,25 @@ def mat_mul(A, B):
     return (np.matmul(A, B),)
 
 
+def _swap_faster(A: np.ndarray, B: np.ndarray, transA, transB) -> bool:
+    """Whether A @ B.T (a batch of rows times transposed weights) runs faster as (B @ A.T).T.
+
+    Measured with numpy's single-threaded OpenBLAS: for a few rows M against many output
+    columns N, A @ B.T takes 1.1-2x the time of B @ A.T plus the transposing copy (M*N is
+    small). Beyond 64 rows, or for narrow outputs, the direct product wins or ties."""
+    M, N = A.shape[0], B.shape[0]
+    return (transB and not transA and A.dtype == B.dtype and A.dtype in (np.float32, np.float64)
+            and A.flags.c_contiguous and B.flags.c_contiguous and M <= 64 and N >= 2 * M and M * N >= 2048)
+
+
 def _gemm(A, B, C, alpha, beta, transA, transB) -> tuple[np.ndarray]:
     if A.ndim != 2 or B.ndim != 2:
         raise ValueError(f"Gemm needs 2-D A and B, got shapes {A.shape} and {B.shape}")
-    # .T is a view: BLAS reads the transposed operand in place, no copy
-    Y = np.matmul(A.T if transA else A, B.T if transB else B)
+    if _swap_faster(A, B, transA, transB):
+        Y = np.ascontiguousarray(np.matmul(B, A.T).T)  # downstream kernels expect C order
+    else:
+        # .T is a view: BLAS reads the transposed operand in place, no copy
+        Y = np.matmul(A.T if transA else A, B.T if transB else B)
     scalar = Y.dtype.type  # python floats would promote float32 to float64
     if alpha != 1:
         Y *= scalar(alpha)
