@@ -11,7 +11,10 @@ contiguous runs, so most of what follows is about layouts):
   (N, group, C/group * kernel + 1, positions) whose last row is ones, then one batched
   matmul against the weights with the bias as an extra column, landing directly in
   NCHW. At stride 1 the windows are read from flattened padded planes, one flat offset
-  per kernel tap (``_flat_planes``), so the copy moves long runs. Depthwise convolutions
+  per kernel tap (``_flat_planes``), so the copy moves long runs; when the output keeps the
+  input's row length ("same" padding) the offsets read the unpadded planes and the few
+  reads that wrap across a row end are cleared (``_row_windows``): no padded canvas, no
+  crop, no extra GEMM columns. Depthwise convolutions
   skip the GEMM (N*group tiny GEMMs are slow) and multiply-add whole shifted planes.
 - ConvTranspose is one batched GEMM to columns, then col2im as one np.sum over a
   strided view of the columns per output phase (see ``_col2im``), not one scattered
@@ -19,7 +22,8 @@ contiguous runs, so most of what follows is about layouts):
 - Pools are separable: a box max or sum is reduced one spatial axis at a time with
   whole-array ufuncs on strided slices (sum(kernel) calls, not prod(kernel)); reducing
   the trailing axes of a window view instead was measured ~50x slower. MaxPool's
-  Indices ride along the same passes, selected by arithmetic rather than np.where.
+  Indices ride along the same passes, selected by arithmetic rather than np.where; when
+  the windows tile the input the passes run on a tap-major copy (contiguous blocks).
 """
 from __future__ import annotations
 
@@ -164,6 +168,51 @@ def _crop_flat(Y: np.ndarray, geo: _Geometry) -> np.ndarray:
     return np.ascontiguousarray(rows[(..., *(slice(o) for o in geo.out[1:]))]).reshape(*Y.shape[:2], -1)
 
 
+def _keeps_rows(X: np.ndarray, geo: _Geometry) -> bool:
+    """Stride 1 and every output axis but the first as long as the input's: ``_row_windows`` applies."""
+    return all(s == 1 for s in geo.strides) and geo.out[1:] == X.shape[3:]
+
+
+def _row_windows(X: np.ndarray, geo: _Geometry) -> np.ndarray:
+    """For ``_keeps_rows`` geometries: a (N, C, *kernel, positions) view of the taps, read from the
+    UNPADDED planes flattened, each tap one flat offset away.
+
+    An output position then reads its tap at its own flat position plus the offset, so the
+    im2col copy moves whole planes and the columns come out in output order (no padded rows
+    to crop, no extra GEMM columns). Reads above or below the plane land in zero margins;
+    reads past a row's end wrap into the neighbouring row: ``_zero_wrapped`` clears those."""
+    N, C, *spatial = X.shape
+    pitch = [math.prod(spatial[a + 1:]) for a in range(len(spatial))]
+    shifts = [(-b * p) for b, p in zip(geo.begin, pitch)]  # offset of the first tap
+    first, last = sum(shifts), sum(sh + (k - 1) * d * p for sh, k, d, p in zip(shifts, geo.kernel, geo.dilations, pitch))
+    plane, span = math.prod(spatial), geo.out[0] * pitch[0]
+    front = max(0, -min(first, last))
+    planes = np.empty((N, C, front + max(plane, span + max(first, last))), dtype=X.dtype)
+    planes[..., :front] = 0  # only the margins need zeros: the plane is copied over
+    planes[..., front + plane:] = 0
+    planes[..., front:front + plane] = X.reshape(N, C, plane)
+    return as_strided(planes[..., front + first:], shape=(N, C, *geo.kernel, span), writeable=False,
+                      strides=(*planes.strides[:2], *(d * p * X.itemsize for d, p in zip(geo.dilations, pitch)),
+                               X.itemsize))
+
+
+def _zero_wrapped(cols: np.ndarray, geo: _Geometry) -> None:
+    """Clear the im2col entries ``_row_windows`` read across a row end. ``cols`` is (..., *kernel, *out):
+    along every axis but the first, tap k shifted by s = k*d - pad reads a neighbour row at the
+    first -s or the last s positions; one strided assignment per such tap and axis."""
+    rank = len(geo.kernel)
+    for axis in range(1, rank):
+        n = geo.out[axis]
+        for k in range(geo.kernel[axis]):
+            shift = k * geo.dilations[axis] - geo.begin[axis]
+            if shift == 0:
+                continue
+            where = [slice(None)] * (2 * rank)
+            where[axis] = k
+            where[rank + axis] = slice(0, min(-shift, n)) if shift < 0 else slice(max(0, n - shift), n)
+            cols[(..., *where)] = 0
+
+
 def _offset_slices(Xp: np.ndarray, geo: _Geometry) -> Iterator[np.ndarray]:
     """Per kernel offset (row-major), the strided view of Xp it reads at every output position."""
     for offset in np.ndindex(*geo.kernel):
@@ -234,8 +283,11 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometr
     else:
         # flat columns trade the im2col copy's N*C*taps*rows short rows for a crop of the output's
         # N*M*rows short rows (and a few more GEMM columns): worth it when M is well below C*taps
-        flat = unit and len(geo.kernel) > 1 and 2 * M <= C * taps
-        if flat:
+        rowwise = _keeps_rows(X, geo)
+        flat = unit and len(geo.kernel) > 1 and 2 * M <= C * taps and not rowwise
+        if rowwise:
+            windows, grid = _row_windows(X, geo), (math.prod(geo.out),)
+        elif flat:
             planes, _, span = _flat_planes(X, geo)
             plane_strides = [math.prod(geo.reach[i + 1:]) * X.itemsize for i in range(len(geo.kernel))]
             windows = as_strided(planes, shape=(N, C, *geo.kernel, span), writeable=False,
@@ -250,6 +302,8 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometr
         cols = np.empty((N, group, rows + (B is not None), math.prod(grid)), dtype=X.dtype)
         np.copyto(cols[:, :, :rows].reshape(N, group, C // group, *geo.kernel, *grid),
                   windows.reshape(N, group, C // group, *geo.kernel, *grid))
+        if rowwise:
+            _zero_wrapped(cols[:, :, :rows].reshape(N, group, C // group, *geo.kernel, *geo.out), geo)
         if B is not None:
             cols[:, :, rows] = 1
             weights = np.concatenate([weights, B.reshape(group, M // group, 1)], axis=2)

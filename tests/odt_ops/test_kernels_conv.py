@@ -96,6 +96,38 @@ def test_conv(geometry, group, in_per_group, out_per_group, batch, bias, seed):
     check("Conv", feeds, {**attrs, "group": group})
 
 
+@pytest.mark.parametrize(("spatial", "attrs"), [
+    ((6, 7), {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
+    ((6, 7), {"kernel_shape": [3, 3], "pads": [2, 2, 0, 0]}),  # shifted left: wraps on one side only
+    ((6, 7), {"kernel_shape": [3, 3], "pads": [0, 0, 0, 2]}),
+    ((5, 9), {"kernel_shape": [5, 3], "pads": [2, 1, 2, 1]}),
+    ((5, 9), {"kernel_shape": [3, 3], "pads": [0, 1, 3, 1]}),  # more output rows than input rows
+    ((8, 8), {"kernel_shape": [3, 3], "dilations": [2, 2], "pads": [2, 2, 2, 2]}),
+    ((4, 5), {"kernel_shape": [2, 4], "auto_pad": "SAME_UPPER"}),
+    ((4, 5), {"kernel_shape": [2, 4], "auto_pad": "SAME_LOWER"}),
+    ((3, 2), {"kernel_shape": [3, 5], "pads": [1, 2, 1, 2]}),  # the kernel is wider than the row
+    ((7,), {"kernel_shape": [3], "pads": [1, 1]}),
+    ((7,), {"kernel_shape": [4], "pads": [0, 0]}),
+    ((3, 4, 5), {"kernel_shape": [3, 3, 3], "pads": [1, 1, 1, 1, 1, 1]}),
+    ((3, 4, 5), {"kernel_shape": [2, 3, 2], "pads": [0, 2, 1, 1, 0, 0]}),
+])
+@pytest.mark.parametrize(("group", "in_per_group", "out_per_group"), [(1, 1, 8), (1, 8, 16), (2, 3, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_keeping_the_row_length(spatial, attrs, group, in_per_group, out_per_group, bias):
+    """Stride 1 with every output axis but the first as long as the input's: the im2col reads the
+    unpadded planes at flat offsets and clears what wraps across row ends (``_row_windows``)."""
+    from odt_ops.kernels.conv import _conv_geometry, _keeps_rows
+
+    C, M = group * in_per_group, group * out_per_group
+    feeds = {"X": rand(len(spatial), 3, C, *spatial), "W": rand(7, M, in_per_group, *attrs["kernel_shape"])}
+    if bias:
+        feeds["B"] = rand(8, M)
+    window = {k: attrs.get(k) for k in ("strides", "dilations", "pads")}
+    geo = _conv_geometry(feeds["X"], feeds["W"], None, group, auto_pad=attrs.get("auto_pad", "NOTSET"), **window)
+    assert _keeps_rows(feeds["X"], geo)
+    check("Conv", feeds, {**attrs, "group": group})
+
+
 @SETTINGS
 @given(windows(rank=2, max_kernel=5, max_stride=2), st.integers(1, 4), st.integers(1, 3), seeds)
 def test_conv_depthwise(geometry, channels, multiplier, seed):
