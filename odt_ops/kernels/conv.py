@@ -184,7 +184,8 @@ def _row_windows(X: np.ndarray, geo: _Geometry) -> np.ndarray:
     N, C, *spatial = X.shape
     pitch = [math.prod(spatial[a + 1:]) for a in range(len(spatial))]
     shifts = [(-b * p) for b, p in zip(geo.begin, pitch)]  # offset of the first tap
-    first, last = sum(shifts), sum(sh + (k - 1) * d * p for sh, k, d, p in zip(shifts, geo.kernel, geo.dilations, pitch))
+    first = sum(shifts)
+    last = first + sum((k - 1) * d * p for k, d, p in zip(geo.kernel, geo.dilations, pitch))  # offset of the last tap
     plane, span = math.prod(spatial), geo.out[0] * pitch[0]
     front = max(0, -min(first, last))
     planes = np.empty((N, C, front + max(plane, span + max(first, last))), dtype=X.dtype)

@@ -228,3 +228,30 @@ def test_where_on_strided_inputs():
     got = run("Where", condition.T, X[:, ::-1], np.float32(-0.0) * X[::2].repeat(2, axis=0))
     want = np.where(condition.T, X[:, ::-1], np.float32(-0.0) * X[::2].repeat(2, axis=0))
     assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, "bfloat16", np.int8, np.int32, np.uint8])
+@pytest.mark.parametrize("n", [100, 32768, 3 * 16384 + 17])
+def test_max_min_against_a_scalar_are_bit_identical_to_numpy(dtype, n):
+    """``_with_scalar`` (the scalar spelled out as a contiguous row) against numpy's own scalar loop,
+    through Relu and Clip: same bits, with NaN payloads, -0.0 and infinities among the inputs."""
+    import ml_dtypes
+
+    from odt_ops.kernels.elementwise import _with_scalar
+
+    dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    rng = np.random.default_rng(n)
+    X = _special_values(rng, np.float32 if dtype.kind == "V" else dtype, (n,)).astype(dtype)
+    for shape in [(n,), (1, n, 1)]:
+        A = X.reshape(shape)
+        low = 1 if dtype.kind == "u" else -1
+        for ufunc, c in [(np.maximum, 0), (np.minimum, 0), (np.maximum, low), (np.minimum, 6)]:
+            want = ufunc(A, dtype.type(c))
+            got = _with_scalar(ufunc, A, dtype.type(c))
+            assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+            out = np.empty_like(A)
+            assert _with_scalar(ufunc, A, dtype.type(c), out=out) is not None and out.tobytes() == want.tobytes()
+    assert run("Relu", X).tobytes() == np.maximum(X, dtype.type(0)).tobytes()
+    lo, hi = np.array(1 if dtype.kind == "u" else -1, dtype), np.array(6, dtype)
+    assert run("Clip", X, lo, hi).tobytes() == np.minimum(np.maximum(X, lo), hi).tobytes()
+    assert run("Clip", X[::-1], lo, hi).tobytes() == np.minimum(np.maximum(X[::-1], lo), hi).tobytes()
