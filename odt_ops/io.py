@@ -22,12 +22,19 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "w+b") as f:
             yield f
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
