@@ -58,9 +58,13 @@ def _median_ms(fn, steps: int) -> float:
 def _node_times(plan, run, steps: int) -> dict[str, tuple[str, float]]:
     """Run with every kernel of ``plan`` wrapped in a timer; per node: (op, median ms)."""
     acc: dict[str, list] = {}
-    original = plan._loop
+    ops: dict[str, str] = {}
 
-    def wrap(fn, times):
+    def wrap(step, fn):
+        key = step.node.name or step.node.output[0]
+        times = acc.setdefault(key, [])
+        ops[key] = step.node.op_type
+
         def timed(*args):
             t = time.perf_counter()
             res = fn(*args)
@@ -68,17 +72,12 @@ def _node_times(plan, run, steps: int) -> dict[str, tuple[str, float]]:
             return res
         return timed
 
-    wrapped, ops = [], {}
-    for (fn, ins, outs, frees), step in zip(original, plan.steps):
-        key = step.node.name or step.node.output[0]
-        acc[key], ops[key] = [], step.node.op_type
-        wrapped.append((wrap(fn, acc[key]), ins, outs, frees))
-    plan._loop = wrapped
+    plan.instrument(wrap)
     try:
         for _ in range(steps):
             run()
     finally:
-        plan._loop = original
+        plan.instrument(None)
     return {key: (ops[key], float(np.median(times)) * 1000) for key, times in acc.items()}
 
 

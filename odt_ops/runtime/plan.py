@@ -1,27 +1,27 @@
 """Compiled execution plans.
 
 Compiling resolves, once, everything a run would otherwise look up: topological
-order, the kernel of each node with its attributes bound, an integer slot for every
-value, and the step after which each intermediate can be freed. A run is then one
-tight loop over pre-bound steps on a list of slots: no graph walking, no dictionary
-lookups, no attribute decoding.
+order, the kernel of each node with its attributes bound, and the step after which
+each intermediate can be freed. The run itself is generated as one
+straight-line Python function, a local variable per value and a line per node, so
+between two kernels there is no interpreter loop, no list indexing and no lookup.
 """
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
-from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays
+from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
 from odt_ops.runtime.memory import tune_allocator
 
-NONE_SLOT = 0  # always holds None: omitted optional inputs read it
-SINK_SLOT = 1  # written by outputs nobody named; never read
+_CODE_NAME = "<odt_ops plan>"
 
 
 def node_label(node: onnx.NodeProto) -> str:
@@ -61,9 +61,9 @@ def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None 
 @dataclass(frozen=True)
 class Step:
     fn: Callable[..., tuple]
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    frees: tuple[int, ...]
+    inputs: tuple[str, ...]  # value names; "" is an omitted optional input
+    outputs: tuple[str, ...]  # "" is an output nobody reads
+    frees: tuple[str, ...]  # values dead after this step
     node: onnx.NodeProto
 
 
@@ -85,78 +85,124 @@ class Plan:
         missing = missing_kernels(graph.node, opsets)
         if missing:
             raise UnsupportedOpError(missing)
-        slots: dict[str, int] = {"": NONE_SLOT}
-        template: list = [None, None]
+        available = set(constants) | set(self.input_names)
+        nodes = topological_order(graph.node, available)
 
-        def slot(name: str) -> int:
-            if name not in slots:
-                slots[name] = len(template)
-                template.append(None)
-            return slots[name]
-
-        for name, value in constants.items():
-            template[slot(name)] = value
-        self._input_slots = [slot(n) for n in self.input_names]
-        nodes = topological_order(graph, set(constants) | set(self.input_names))
-        bound = []
+        known = set(available)
+        steps = []
         for node in nodes:
             ins = list(node.input)
             while ins and ins[-1] == "":
                 ins.pop()
             for name in ins:
-                if name and name not in slots:
+                if name and name not in known:
                     raise ModelCheckError(f"{node_label(node)} reads {name!r}, which nothing produces")
-            outs = tuple(slot(n) if n else SINK_SLOT for n in node.output)
+            known.update(n for n in node.output if n)
             opset = opsets.get("" if node.domain == "ai.onnx" else node.domain, 0)
-            bound.append((bind_node(node, opset, rng), tuple(slots[n] for n in ins), outs, node))
+            steps.append((bind_node(node, opset, rng), tuple(ins), tuple(node.output), node))
         for name in self.output_names:
-            if name not in slots:
+            if name not in known:
                 raise ModelCheckError(f"graph output {name!r} is produced by no node, input or initializer")
-        self._output_slots = [slots[n] for n in self.output_names]
 
-        # free each intermediate right after its last reader; constants, feeds and
-        # outputs stay (the template is copied per run, so freeing constants gains nothing)
-        keep = set(self._output_slots) | {slots[n] for n in constants} | {NONE_SLOT, SINK_SLOT}
-        last_use: dict[int, int] = {}
-        for i, (_, ins, outs, _) in enumerate(bound):
-            for s in (*ins, *outs):
-                last_use[s] = i
-        frees_at: list[list[int]] = [[] for _ in bound]
-        for s, i in last_use.items():
-            if s not in keep:
-                frees_at[i].append(s)
-        self.steps = [Step(fn, ins, outs, tuple(frees_at[i]), node) for i, (fn, ins, outs, node) in enumerate(bound)]
-        self._template = template
-        self._loop = [(s.fn, s.inputs, s.outputs, s.frees) for s in self.steps]
-        self.slots = slots
+        # free each intermediate right after its last reader; constants, feeds and outputs stay
+        stay = set(self.output_names) | available
+        last_use: dict[str, int] = {}
+        for i, (_, ins, outs, _) in enumerate(steps):
+            for name in (*ins, *outs):
+                if name:
+                    last_use[name] = i
+        frees_at: list[list[str]] = [[] for _ in steps]
+        for name, i in last_use.items():
+            if name not in stay:
+                frees_at[i].append(name)
+        self.steps = [Step(fn, ins, outs, tuple(frees_at[i]), node) for i, (fn, ins, outs, node) in enumerate(steps)]
+
+        self._constants = dict(constants)
+        self._run = self._compile()
 
     def run(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
-        vals = self._template.copy()
-        for s, x in zip(self._input_slots, feeds):
-            vals[s] = x
-        i = 0
+        run = self._run
+        if len(feeds) != len(self.input_names):
+            raise InputError(f"the plan takes {len(self.input_names)} feeds ({self.input_names}), got {len(feeds)}")
         try:
-            for i, (fn, ins, outs, frees) in enumerate(self._loop):  # noqa: B007
-                res = fn(*[vals[j] for j in ins])
-                for o, r in zip(outs, res):
-                    vals[o] = r
-                for f in frees:
-                    vals[f] = None
+            return run(feeds)
         except OdtError:
             raise
         except Exception as exc:  # a kernel met values it cannot handle: name the node
-            step = self.steps[i]
+            failed = _failed_step(exc, run)
+            if failed is None:
+                raise
+            index, frame = failed
+            step = self.steps[index]
+            values = [frame.f_locals.get(v, frame.f_globals.get(v)) for v in run.step_inputs[index]]
             raise KernelError(
-                f"{node_label(step.node)} failed on inputs ({describe_arrays(vals[j] for j in step.inputs)}): "
-                f"{type(exc).__name__}: {exc}"
+                f"{node_label(step.node)} failed on inputs ({describe_arrays(values)}): {type(exc).__name__}: {exc}"
             ) from exc
-        return [vals[j] for j in self._output_slots]
+
+    def instrument(self, wrap: Callable[[Step, Callable], Callable] | None) -> None:
+        """Route every step's kernel through ``wrap(step, fn)`` (a profiler's timer); None undoes it."""
+        for i, fn in self._run.kernels.items():
+            self._run.__globals__[f"k{i}"] = fn if wrap is None else wrap(self.steps[i], fn)
+
+    def _compile(self) -> Callable:
+        """The run as one generated function: a line per step, so a traceback's line names the step."""
+        space: dict[str, object] = {"__builtins__": {}}
+        local: dict[str, str] = {}  # value name -> the variable holding it now
+        fed = set(self.input_names)
+        counter = iter(range(sys.maxsize))
+
+        def ref(name: str) -> str:
+            if not name:
+                return "None"
+            if name not in local:  # a constant: a global of the generated function
+                assert name in self._constants and name not in fed, f"{name!r} read before it is computed"
+                local[name] = f"c{next(counter)}"
+                space[local[name]] = self._constants[name]
+            return local[name]
+
+        def bind(name: str) -> str:
+            local[name] = f"v{next(counter)}"
+            return local[name]
+
+        targets = [bind(n) for n in self.input_names]
+        head = f"    {', '.join(targets)}, = feeds" if targets else "    pass"
+        lines = ["def run(feeds):", head]
+        first_step_line = len(lines) + 1  # line numbers count from 1
+        kernels, step_inputs = {}, []
+        for i, step in enumerate(self.steps):
+            kernels[i] = space[f"k{i}"] = step.fn
+            args = [ref(n) for n in step.inputs]
+            step_inputs.append(args)
+            call = f"k{i}({', '.join(args)})"
+            named = [(j, n) for j, n in enumerate(step.outputs) if n]
+            if len(step.outputs) == 1 and named:
+                code = f"{bind(named[0][1])} = {call}[0]"
+            else:  # kernels may return more outputs than the node names
+                code = f"_r = {call}" + "".join(f"; {bind(n)} = _r[{j}]" for j, n in named) + "; _r = None"
+            code += "".join(f"; {local.pop(n)} = None" for n in step.frees if n in local)
+            lines.append("    " + code)
+        lines.append(f"    return [{', '.join(ref(n) for n in self.output_names)}]")
+        exec(compile("\n".join(lines) + "\n", _CODE_NAME, "exec"), space)  # noqa: S102 - generated from the plan's own steps
+        run = space["run"]
+        run.first_step_line, run.kernels, run.step_inputs = first_step_line, kernels, step_inputs
+        return run
 
 
-def topological_order(graph: onnx.GraphProto, available: set[str]) -> list[onnx.NodeProto]:
+def _failed_step(exc: BaseException, run: Callable):
+    """(step index, frame) of the generated run's line that was executing when ``exc`` was raised."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is run.__code__:
+            index = tb.tb_lineno - run.first_step_line
+            return (index, tb.tb_frame) if 0 <= index < len(run.step_inputs) else None
+        tb = tb.tb_next
+    return None
+
+
+def topological_order(nodes: onnx.GraphProto | Iterable[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
     """Nodes ordered so each runs after its producers (stable for already-sorted graphs)."""
     ready = set(available) | {""}
-    pending = list(graph.node)
+    pending = list(nodes.node if isinstance(nodes, onnx.GraphProto) else nodes)
     order: list[onnx.NodeProto] = []
     while pending:
         progressed = []
