@@ -1,14 +1,16 @@
 """Compiled execution plans.
 
 Compiling resolves, once, everything a run would otherwise look up: topological
-order, the kernel of each node with its attributes bound, and the step after which
-each intermediate can be freed. The run itself is generated as one
+order, the engine's fusions (runtime/fusion.py: node groups rewritten into fewer,
+equal computations), the kernel of each node with its attributes bound, and the step
+after which each intermediate can be freed. The run itself is generated as one
 straight-line Python function, a local variable per value and a line per node, so
 between two kernels there is no interpreter loop, no list indexing and no lookup.
 """
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ import onnx
 from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
+from odt_ops.runtime import fusion
 from odt_ops.runtime.memory import tune_allocator
 
 _CODE_NAME = "<odt_ops plan>"
@@ -41,6 +44,8 @@ def missing_kernels(nodes: Iterable[onnx.NodeProto], opsets: Mapping[str, int]) 
 
 def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None = None) -> Callable[..., tuple]:
     """The node's kernel with attributes and engine keywords bound."""
+    if node.domain == fusion.DOMAIN:
+        return fusion.bind(node, opset)
     entry = lookup(node.domain, node.op_type, opset)
     if entry is None:
         raise UnsupportedOpError({(node.domain, node.op_type, opset): [node.name]})
@@ -68,7 +73,11 @@ class Step:
 
 
 class Plan:
-    """An executable form of one graph: ``run(feeds) -> outputs`` by position."""
+    """An executable form of one graph: ``run(feeds) -> outputs`` by position.
+
+    ``fuse``: apply the engine's fusions; False runs the graph node by node, as written (the
+    default is on unless the environment sets ODT_FUSE=0).
+    """
 
     def __init__(
         self,
@@ -78,6 +87,8 @@ class Plan:
         input_names: Sequence[str],
         output_names: Sequence[str],
         rng: np.random.Generator | None = None,
+        *,
+        fuse: bool | None = None,
     ):
         tune_allocator()
         self.input_names = list(input_names)
@@ -87,6 +98,9 @@ class Plan:
             raise UnsupportedOpError(missing)
         available = set(constants) | set(self.input_names)
         nodes = topological_order(graph.node, available)
+        if fuse if fuse is not None else os.environ.get("ODT_FUSE", "1") != "0":
+            nodes = topological_order(fusion.fuse(nodes, constants, self.output_names, opsets), available)
+        self.fusions = [n.op_type for n in nodes if n.domain == fusion.DOMAIN]
 
         known = set(available)
         steps = []
@@ -98,7 +112,8 @@ class Plan:
                 if name and name not in known:
                     raise ModelCheckError(f"{node_label(node)} reads {name!r}, which nothing produces")
             known.update(n for n in node.output if n)
-            opset = opsets.get("" if node.domain == "ai.onnx" else node.domain, 0)
+            # fused nodes run ai.onnx kernels at the graph's opset
+            opset = opsets.get("" if node.domain in ("ai.onnx", fusion.DOMAIN) else node.domain, 0)
             steps.append((bind_node(node, opset, rng), tuple(ins), tuple(node.output), node))
         for name in self.output_names:
             if name not in known:

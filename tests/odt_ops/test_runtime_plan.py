@@ -1,14 +1,104 @@
-"""The runtime's compiled plan: the generated run names a failing node with its inputs,
-and a profiler can wrap every kernel."""
+"""The runtime's compiled plan: fusions against the artifact graph run node by node as
+written (Plan(fuse=True) vs fuse=False, bit for bit), the generated run's error messages
+and the profiler's hook."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
+from odt_ops import artifacts, meta
+from odt_ops.api import CheckpointState
 from odt_ops.errors import KernelError
+from odt_ops.onnxblock import loss as losses
 from odt_ops.runtime.plan import Plan
+from tests.odt_ops.models import classification_data, cnn, mlp
+
+
+def _training_plan(directory, **options) -> tuple[Plan, meta.ArtifactInfo]:
+    proto = onnx.load(directory / "training_model.onnx")
+    info = meta.read(proto)
+    outputs = [info.loss, *info.extra_outputs, *(info.gradients[p] for p in info.trainable if p in info.gradients),
+               *info.buffer_updates.values()]
+    inputs = [*info.user_inputs, *info.labels, *info.parameters, *info.buffers]
+    constants = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    opsets = {o.domain: o.version for o in proto.opset_import}
+    return Plan(proto.graph, opsets, constants, inputs, outputs, rng=np.random.default_rng(0), **options), info
+
+
+def _feeds(directory, info, x, y) -> list[np.ndarray]:
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    ckpt = state.checkpoint
+    return [x, y, *(np.asarray(ckpt.parameters[p]) for p in info.parameters), *(np.asarray(ckpt.buffers[b]) for b in info.buffers)]
+
+
+def _generate(tmp_path, model, loss=artifacts.LossType.CrossEntropyLoss, trainable=("*",)):
+    artifacts.generate_artifacts(model, requires_grad=list(trainable), loss=loss, artifact_directory=tmp_path)
+    return tmp_path
+
+
+def _assert_fused_equals_unfused(directory, x, y) -> Plan:
+    fused, info = _training_plan(directory, fuse=True)
+    plain, _ = _training_plan(directory, fuse=False)
+    assert len(fused.steps) < len(plain.steps) and not plain.fusions
+    feeds = _feeds(directory, info, x, y)
+    for got, want, name in zip(fused.run(feeds), plain.run(feeds), fused.output_names):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    return fused
+
+
+def _cnn_data(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 1, 28, 28)).astype(np.float32), rng.integers(0, 10, n)
+
+
+def test_mlp_fused_plan_equals_the_graph_as_written(tmp_path):
+    directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
+    x, y = classification_data(16)
+    fused = _assert_fused_equals_unfused(directory, x, y)
+    assert sorted(fused.fusions) == ["SoftmaxCrossEntropyLossGrad"]
+    # both bias gradients lost their Squeeze: ReduceSum(keepdims=0) in its place
+    assert not any(s.node.op_type == "Squeeze" for s in fused.steps)
+
+
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
+    directory = _generate(tmp_path, cnn(batchnorm=batchnorm), trainable=["conv*", "fc*", *(["bn1.weight", "bn1.bias"] if batchnorm else [])])
+    fused = _assert_fused_equals_unfused(directory, *_cnn_data(8))
+    assert sorted(fused.fusions) == ["SoftmaxCrossEntropyLossGrad", "StackedSlices", "StackedSlices"]
+    if not batchnorm:  # (BatchNormalization's own gradient has Unsqueezes)
+        assert not any(s.node.op_type in ("Slice", "Unsqueeze", "Concat") for s in fused.steps)
+
+
+WEIGHT = [0.5, 2.0, 1.0, 0.25, 1.0, 1.0, 1.0, 1.0, 3.0, 1.0]
+# (loss, fused): with reduction "none" the per-sample loss's gradient is shaped by the loss
+# itself (a cycle through the fused node), so those stay as written
+CROSS_ENTROPY = {
+    "sum": (losses.CrossEntropyLoss(reduction="sum"), True),
+    "weight": (losses.CrossEntropyLoss(weight=WEIGHT), True),
+    "ignore_index": (losses.CrossEntropyLoss(ignore_index=1), True),
+    "weight_ignore_index_sum": (losses.CrossEntropyLoss(weight=WEIGHT, ignore_index=1, reduction="sum"), True),
+    "none": (losses.CrossEntropyLoss(reduction="none"), False),
+    "label_smoothing": (losses.CrossEntropyLoss(label_smoothing=0.1), False),
+    "all_options": (losses.CrossEntropyLoss(weight=WEIGHT, ignore_index=1, label_smoothing=0.3), False),
+}
+
+
+@pytest.mark.parametrize("case", list(CROSS_ENTROPY))
+def test_cross_entropy_options_fused_equal_the_graph(tmp_path, case):
+    loss, fusable = CROSS_ENTROPY[case]
+    directory = _generate(tmp_path, mlp((20, 16, 10)), loss=loss, trainable=["fc*"])
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((12, 20)).astype(np.float32), rng.integers(0, 10, 12)
+    y[:3] = 1  # something for ignore_index to ignore
+    fused, info = _training_plan(directory)
+    plain, _ = _training_plan(directory, fuse=False)
+    feeds = _feeds(directory, info, x, y)
+    for got, want, name in zip(fused.run(feeds), plain.run(feeds), fused.output_names):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    assert ("SoftmaxCrossEntropyLossGrad" in fused.fusions) == fusable
 
 
 def _two_nodes() -> onnx.GraphProto:

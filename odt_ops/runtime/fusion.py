@@ -1,0 +1,324 @@
+"""Fusions: node groups of the training graphs rewritten, when a plan is compiled, into
+fewer nodes that compute the same values.
+
+Each fusion is a named pass over the node list (registered with ``@fusion``) that says
+whether it changed anything. A fused node is an ordinary NodeProto in the engine's own
+domain, so plans, profiles and error messages treat it like any other node; its
+implementation is registered with ``@fused_op`` and bound when the plan is compiled.
+The artifacts never contain these nodes: ``Plan(..., fuse=False)`` runs the graphs as
+written, and the tests hold both ways equal.
+
+A pass only removes a value that nothing else reads and that the caller does not need
+(graph outputs, checked values), and only rewrites what it can prove equal from the
+node attributes and constants; anything else is left for the node-by-node path.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from odt_ops.ir.attributes import node_attributes
+from odt_ops.kernels import lookup
+
+DOMAIN = "odt_ops.fused"
+STANDARD = ("", "ai.onnx")
+
+Pass = Callable[["Graph"], bool]
+Factory = Callable[[dict, int], Callable[..., tuple]]  # (fused node attributes, ai.onnx opset) -> kernel
+
+FUSIONS: dict[str, Pass] = {}
+_OPS: dict[str, Factory] = {}
+
+
+def fusion(name: str) -> Callable[[Pass], Pass]:
+    def register(fn: Pass) -> Pass:
+        assert name not in FUSIONS, f"fusion {name} registered twice"
+        FUSIONS[name] = fn
+        return fn
+    return register
+
+
+def fused_op(op_type: str) -> Callable[[Factory], Factory]:
+    def register(fn: Factory) -> Factory:
+        assert op_type not in _OPS, f"fused op {op_type} registered twice"
+        _OPS[op_type] = fn
+        return fn
+    return register
+
+
+def bind(node: onnx.NodeProto, opset: int) -> Callable[..., tuple]:
+    """The implementation of a fused node; ``opset`` is the graph's ai.onnx opset."""
+    return _OPS[node.op_type](node_attributes(node), opset)
+
+
+def fuse(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: Iterable[str],
+         opsets: Mapping[str, int], only: Iterable[str] | None = None) -> list[onnx.NodeProto]:
+    """The nodes with every fusion (or those named in ``only``) applied; ``keep`` must survive."""
+    graph = Graph(nodes, constants, set(keep), opsets)
+    for name, run in FUSIONS.items():
+        if only is None or name in only:
+            run(graph)
+    return graph.nodes
+
+
+class Graph:
+    """The node list a fusion rewrites, with producer/consumer lookups and its constants."""
+
+    def __init__(self, nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: set[str],
+                 opsets: Mapping[str, int]):
+        self.nodes = list(nodes)
+        self.constants = constants
+        self.keep = keep
+        self.opset = opsets.get("", opsets.get("ai.onnx", 0))
+        self._index()
+
+    def _index(self) -> None:
+        self._producer: dict[str, onnx.NodeProto] = {}
+        self._consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in self.nodes:
+            for name in node.output:
+                self._producer[name] = node
+            for name in node.input:
+                self._consumers.setdefault(name, []).append(node)
+
+    def producer(self, name: str, op_type: str) -> onnx.NodeProto | None:
+        node = self._producer.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in STANDARD else None
+
+    def consumers(self, name: str) -> list[onnx.NodeProto]:
+        return self._consumers.get(name, [])
+
+    def sole_reader(self, name: str, op_type: str, position: int | None = None) -> onnx.NodeProto | None:
+        """The one node reading ``name``, if it is an ``op_type`` (reading it at ``position``) and
+        nothing else needs the value."""
+        readers = self.consumers(name)
+        if name in self.keep or len(readers) != 1:
+            return None
+        node = readers[0]
+        if node.op_type != op_type or node.domain not in STANDARD or list(node.input).count(name) != 1:
+            return None
+        return node if position is None or node.input[position] == name else None
+
+    def constant(self, name: str) -> np.ndarray | None:
+        return self.constants.get(name) if name else None
+
+    def ints(self, node: onnx.NodeProto, position: int, attribute: str) -> list[int] | None:
+        """A constant int list given as input ``position`` (newer opsets) or as an attribute."""
+        if len(node.input) > position and node.input[position]:
+            value = self.constant(node.input[position])
+            return None if value is None or value.dtype.kind not in "iu" else [int(v) for v in value.reshape(-1)]
+        value = node_attributes(node).get(attribute)
+        return None if value is None else [int(v) for v in np.atleast_1d(value)]
+
+    def replace(self, old: Sequence[onnx.NodeProto], new: onnx.NodeProto) -> bool:
+        """Put ``new`` where the last of ``old`` was (the plan sorts again afterwards); False, and
+        nothing changed, when an input of ``new`` is computed from an output of ``old`` (a cycle)."""
+        produced = {name for n in old for name in n.output if name}
+        if self._reaches(new.input, produced):
+            return False
+        drop = {id(n) for n in old}
+        at = max(i for i, n in enumerate(self.nodes) if id(n) in drop)
+        self.nodes = [new if i == at else n for i, n in enumerate(self.nodes) if id(n) not in drop or i == at]
+        self._index()
+        return True
+
+    def _reaches(self, names: Iterable[str], targets: set[str]) -> bool:
+        """Whether any of ``names`` is, or is computed from, one of ``targets``."""
+        seen: set[str] = set()
+        stack = [n for n in names if n]
+        while stack:
+            name = stack.pop()
+            if name in targets:
+                return True
+            if name in seen:
+                continue
+            seen.add(name)
+            node = self._producer.get(name)
+            if node is not None:
+                stack.extend(n for n in node.input if n)
+        return False
+
+
+def _fused_node(op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str, **attrs) -> onnx.NodeProto:
+    return onnx.helper.make_node(op_type, list(inputs), list(outputs), name=name, domain=DOMAIN,
+                                 **{k: v for k, v in attrs.items() if v is not None})
+
+
+def _kernel(op_type: str, opset: int, **attrs) -> Callable[..., tuple]:
+    entry = lookup("", op_type, opset)
+    if entry is None:
+        raise AssertionError(f"fused op needs a kernel for {op_type} at opset {opset}")
+    return lambda *args: entry.fn(*args, **attrs)
+
+
+# ---------------------------------------------------------------- softmax cross-entropy
+
+
+@fusion("softmax_cross_entropy_grad")
+def _softmax_cross_entropy_grad(g: Graph) -> bool:
+    """SoftmaxCrossEntropyLoss and its gradient rule's (Exp(log_prob) - OneHot(labels)) * coefficient
+    -> one node returning loss, log_prob and dscores: the one-hot subtraction becomes a 1
+    taken off the labels' entries, in place."""
+    changed = False
+    for sce in [n for n in g.nodes if n.op_type == "SoftmaxCrossEntropyLoss" and n.domain in STANDARD]:
+        if len(sce.output) != 2 or not sce.output[1]:
+            continue
+        log_prob = sce.output[1]
+        for exp in [n for n in g.consumers(log_prob) if n.op_type == "Exp" and n.domain in STANDARD]:
+            sub = g.sole_reader(exp.output[0], "Sub", 0)
+            one_hot = sub and g.producer(sub.input[1], "OneHot")
+            mul = sub and g.sole_reader(sub.output[0], "Mul", 0)
+            if not (one_hot and mul and g.sole_reader(one_hot.output[0], "Sub") is sub):
+                continue
+            values = g.constant(one_hot.input[2])
+            if node_attributes(one_hot).get("axis", -1) != 1 or values is None or values.tolist() != [0, 1]:
+                continue
+            others = [n for n in g.consumers(log_prob) if n is not exp]
+            attrs = node_attributes(sce)
+            # the loss kernel has checked its labels lie in [0, C): a one-hot of them needs no check
+            checked = one_hot.input[0] == sce.input[1] and "ignore_index" not in attrs
+            fused = _fused_node(
+                "SoftmaxCrossEntropyLossGrad",
+                [sce.input[0], sce.input[1], sce.input[2] if len(sce.input) > 2 else "", *one_hot.input[:3], mul.input[1]],
+                [sce.output[0], log_prob if others or log_prob in g.keep else "", mul.output[0]],
+                f"fused/{sce.name or sce.output[0]}", reduction=attrs.get("reduction"), ignore_index=attrs.get("ignore_index"),
+                labels_checked=int(checked))
+            if g.replace([sce, exp, one_hot, sub, mul], fused):
+                changed = True
+                break
+    return changed
+
+
+@fused_op("SoftmaxCrossEntropyLossGrad")
+def _softmax_cross_entropy_loss_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
+    checked = attrs.pop("labels_checked", 0)
+    sce = _kernel("SoftmaxCrossEntropyLoss", opset, _num_outputs=2, **attrs)
+    one_hot = _kernel("OneHot", opset, axis=1)
+
+    def run(scores, labels, weights, indices, depth, values, coefficient):
+        loss, log_prob = sce(scores, labels, weights)[:2]
+        grad = np.exp(log_prob)
+        if not _take_one_at(grad, indices, depth, checked):
+            grad = np.subtract(grad, one_hot(indices, depth, values)[0])
+        if coefficient.dtype == grad.dtype and _broadcasts_into(coefficient.shape, grad.shape):
+            grad *= coefficient
+        else:
+            grad = np.multiply(grad, coefficient)
+        return loss, log_prob, grad
+
+    return run
+
+
+def _broadcasts_into(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+    return len(small) <= len(big) and all(s in (1, b) for s, b in zip(reversed(small), reversed(big)))
+
+
+def _take_one_at(grad: np.ndarray, indices: np.ndarray, depth: np.ndarray, checked: bool) -> bool:
+    """grad - OneHot(indices, depth, [0, 1], axis=1), in place, where the one-hot is simply the
+    indices' entries (integers in [0, depth), depth = grad.shape[1]); False otherwise."""
+    if grad.ndim < 2 or indices.dtype.kind not in "iu" or indices.shape != (grad.shape[0], *grad.shape[2:]):
+        return False
+    if int(depth.reshape(-1)[0]) != grad.shape[1]:
+        return False
+    if indices.size == 0:
+        return True
+    if not checked and (indices.min() < 0 or indices.max() >= grad.shape[1]):
+        return False
+    one = grad.dtype.type(1)
+    if grad.ndim == 2:
+        grad[np.arange(indices.shape[0]), indices] -= one
+    else:
+        at = np.expand_dims(indices, 1)
+        np.put_along_axis(grad, at, np.take_along_axis(grad, at, 1) - one, 1)
+    return True
+
+
+# ---------------------------------------------------------------- reduce then squeeze
+
+_REDUCE = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+           "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+
+
+@fusion("reduce_squeeze")
+def _reduce_squeeze(g: Graph) -> bool:
+    """Reduce*(keepdims=1) whose only reader squeezes exactly the reduced axes -> Reduce*(keepdims=0)
+    (the gradient walker's unbroadcast emits this for every bias)."""
+    changed = False
+    for reduce in [n for n in g.nodes if n.op_type in _REDUCE and n.domain in STANDARD]:
+        attrs = node_attributes(reduce)
+        squeeze = g.sole_reader(reduce.output[0], "Squeeze", 0)
+        if squeeze is None or attrs.get("keepdims", 1) != 1 or attrs.get("noop_with_empty_axes", 0):
+            continue
+        axes, squeezed = g.ints(reduce, 1, "axes"), g.ints(squeeze, 1, "axes")
+        if not axes or squeezed is None or sorted(axes) != sorted(squeezed):
+            continue
+        rewritten = onnx.NodeProto()
+        rewritten.CopyFrom(reduce)
+        rewritten.output[0] = squeeze.output[0]
+        del rewritten.attribute[:]
+        rewritten.attribute.extend(a for a in reduce.attribute if a.name != "keepdims")
+        rewritten.attribute.append(onnx.helper.make_attribute("keepdims", 0))
+        changed = g.replace([reduce, squeeze], rewritten) or changed
+    return changed
+
+
+# ---------------------------------------------------------------- stacked slices
+
+
+@fusion("stacked_slices")
+def _stacked_slices(g: Graph) -> bool:
+    """Concat(axis=a) of Unsqueeze(Slice(x, constant starts/ends/axes/steps > 0), [a]) over one x
+    -> one node stacking the slices (the Conv weight gradient's kernel taps)."""
+    changed = False
+    for concat in [n for n in g.nodes if n.op_type == "Concat" and n.domain in STANDARD and len(n.input) > 1]:
+        axis = node_attributes(concat).get("axis")
+        taps = [_tap(g, name, concat, axis) for name in concat.input]
+        if axis is None or any(t is None for t in taps) or len({t[0].input[0] for t in taps}) != 1:
+            continue
+        regions = [region for _, _, region in taps]
+        fused = _fused_node("StackedSlices", [taps[0][0].input[0]], [concat.output[0]], f"fused/{concat.name or concat.output[0]}",
+                            axis=axis, rank=len(regions[0]), regions=[v for region in regions for item in region for v in item])
+        changed = g.replace([n for slice_, unsqueeze, _ in taps for n in (slice_, unsqueeze)] + [concat], fused) or changed
+    return changed
+
+
+def _tap(g: Graph, name: str, concat: onnx.NodeProto, axis: int):
+    """(Slice, Unsqueeze, [(axis, start, end, step) per sliced axis]) for one Concat input, or None."""
+    unsqueeze = g.producer(name, "Unsqueeze")
+    if unsqueeze is None or g.sole_reader(name, "Concat") is not concat or g.ints(unsqueeze, 1, "axes") != [axis]:
+        return None
+    slice_ = g.producer(unsqueeze.input[0], "Slice")
+    if slice_ is None or g.sole_reader(slice_.output[0], "Unsqueeze") is not unsqueeze:
+        return None
+    starts, ends = g.ints(slice_, 1, "starts"), g.ints(slice_, 2, "ends")
+    axes, steps = g.ints(slice_, 3, "axes"), g.ints(slice_, 4, "steps")
+    given = [len(slice_.input) > i and bool(slice_.input[i]) for i in (3, 4)]
+    if starts is None or ends is None or (axes is None and given[0]) or (steps is None and given[1]):
+        return None  # a non-constant input
+    axes = list(range(len(starts))) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    if not len(starts) == len(ends) == len(axes) == len(steps) or min(steps, default=1) < 1:
+        return None
+    return slice_, unsqueeze, [(a, s, e, st) for a, s, e, st in zip(axes, starts, ends, steps)]
+
+
+@fused_op("StackedSlices")
+def _stack_slices(attrs: dict, opset: int) -> Callable[..., tuple]:
+    axis, rank, flat = attrs["axis"], attrs["rank"], attrs["regions"]
+    regions = [[tuple(flat[i + 4 * j: i + 4 * j + 4]) for j in range(rank)] for i in range(0, len(flat), 4 * rank)]
+
+    def run(x):
+        parts = []
+        for region in regions:
+            index = [slice(None)] * x.ndim
+            for a, start, end, step in region:
+                if not -x.ndim <= a < x.ndim or index[a % x.ndim] != slice(None):
+                    raise ValueError(f"Slice axes {[r[0] for r in region]} do not fit a tensor of rank {x.ndim}")
+                # positive steps: Python's clamping of start and end is the Slice spec's
+                index[a % x.ndim] = slice(start, end, step)
+            parts.append(x[tuple(index)])
+        return (np.stack(parts, axis=axis),)
+
+    return run
