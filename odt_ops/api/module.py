@@ -63,6 +63,14 @@ class FlatBuffers:
         return sum(b.size for b in self.buffers.values())
 
 
+def _check_loss(loss: np.ndarray) -> None:
+    if not np.all(np.isfinite(loss)):
+        raise TrainingDivergedError(
+            f"the loss is {loss}; parameters and gradients were left as they were. Lower the learning rate, "
+            "check the data for NaN or infinite values, or enable gradient clipping"
+        )
+
+
 class Module:
     """``Module(training_model, state, eval_model)``: ``module(*inputs)`` runs a train step
     (forward + backward, gradients accumulated) in train mode, an eval step in eval mode."""
@@ -75,6 +83,7 @@ class Module:
         self._rng = np.random.default_rng(seed)
         train = read_model(train_model_uri)
         self._info = meta.read(train.proto, train.source)
+        self._bind(state, {v.name: ValueSpec.of(v) for v in train.proto.graph.input}, train.source)
         self._train = self._compile(train.proto, self._info, training=True)
         self._eval = None
         self._eval_proto = None
@@ -83,7 +92,6 @@ class Module:
             self._eval_proto = ev.proto
             self._eval_info = meta.read(ev.proto, ev.source)
             self._eval = self._compile(ev.proto, self._eval_info, training=False)
-        self._bind(state, train.proto, train.source)
         self.training = True
         self._reset_grad = True
 
@@ -93,17 +101,22 @@ class Module:
         specs = {v.name: ValueSpec.of(v) for v in graph.input}
         data_inputs = [*info.user_inputs, *info.labels]
         outputs = [info.loss, *info.extra_outputs]
+        destinations, checks = {}, {}
         if training:
-            outputs += [info.gradients[p] for p in info.trainable if p in info.gradients] + list(info.buffer_updates.values())
+            # gradients are computed into the gradient buffer when a step resets it, and a
+            # diverged loss stops the step before any gradient is written
+            grads = {info.gradients[p]: self.grads.views[p] for p in info.trainable if p in info.gradients}
+            outputs += list(grads) + list(info.buffer_updates.values())
+            destinations, checks = grads, {info.loss: _check_loss}
         opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
-        plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng)
+        plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng,
+                    destinations=destinations, checks=checks)
         return {"plan": plan, "inputs": [specs[n] for n in data_inputs], "n_outputs": 1 + len(info.extra_outputs),
                 "specs": specs}
 
-    def _bind(self, state: CheckpointState, proto: onnx.ModelProto, source: str) -> None:
+    def _bind(self, state: CheckpointState, specs: dict[str, ValueSpec], source: str) -> None:
         info = self._info
-        specs = self._train["specs"]
         expected = {n: (tuple(specs[n].shape), specs[n].dtype) for n in (*info.parameters, *info.buffers)}
         check_matches(state._checkpoint, expected, f"{state._source} for {source}")
         ckpt = state._checkpoint
@@ -152,25 +165,19 @@ class Module:
         if len(user_inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({[s.name for s in specs]}), got {len(user_inputs)}")
         feeds = [spec.check(x) for spec, x in zip(specs, user_inputs)]
-        outs = step["plan"].run(feeds + self._param_feeds)
         n = step["n_outputs"]
         if self.training:
-            loss = outs[0]
-            if not np.all(np.isfinite(loss)):
-                raise TrainingDivergedError(
-                    f"the loss is {loss}; parameters and gradients were left as they were. Lower the learning rate, "
-                    "check the data for NaN or infinite values, or enable gradient clipping"
-                )
-            grads = outs[n : n + len(self._grad_views)]
+            # a reset step leaves the gradients in their buffer; otherwise they are added to it
+            outs = step["plan"].run(feeds + self._param_feeds, into=self._reset_grad)
             if self._reset_grad:
-                for view, g in zip(self._grad_views, grads):
-                    np.copyto(view, g)
                 self._reset_grad = False
             else:
-                for view, g in zip(self._grad_views, grads):
+                for view, g in zip(self._grad_views, outs[n : n + len(self._grad_views)]):
                     view += g
             for target, new in zip(self._buffer_targets, outs[n + len(self._grad_views) :]):
                 np.copyto(target, new)
+        else:
+            outs = step["plan"].run(feeds + self._param_feeds)
         user = [np.asarray(o) for o in outs[:n]]  # 0-d results come back from numpy as scalars
         return user[0] if n == 1 else user
 

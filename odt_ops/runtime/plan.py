@@ -21,9 +21,10 @@ import onnx
 from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
-from odt_ops.runtime import fusion
+from odt_ops.runtime import fusion, inplace
 from odt_ops.runtime.memory import tune_allocator
 
+Check = Callable[[np.ndarray], None]
 _CODE_NAME = "<odt_ops plan>"
 
 
@@ -77,6 +78,12 @@ class Plan:
 
     ``fuse``: apply the engine's fusions; False runs the graph node by node, as written (the
     default is on unless the environment sets ODT_FUSE=0).
+    ``destinations``: {output name: preallocated array}; ``run(feeds, into=True)`` leaves
+    those outputs in their arrays (a node that can write its result in place does, the
+    rest are copied at the end) and returns the arrays. They must not share memory with
+    any feed or constant.
+    ``checks``: {value name: callable}, called on the value as soon as it is computed; an
+    exception it raises stops the run before any destination is written.
     """
 
     def __init__(
@@ -89,17 +96,22 @@ class Plan:
         rng: np.random.Generator | None = None,
         *,
         fuse: bool | None = None,
+        destinations: Mapping[str, np.ndarray] | None = None,
+        checks: Mapping[str, Check] | None = None,
     ):
         tune_allocator()
         self.input_names = list(input_names)
         self.output_names = list(output_names)
+        destinations = dict(destinations or {})
+        checks = dict(checks or {})
         missing = missing_kernels(graph.node, opsets)
         if missing:
             raise UnsupportedOpError(missing)
         available = set(constants) | set(self.input_names)
         nodes = topological_order(graph.node, available)
         if fuse if fuse is not None else os.environ.get("ODT_FUSE", "1") != "0":
-            nodes = topological_order(fusion.fuse(nodes, constants, self.output_names, opsets), available)
+            keep = set(self.output_names) | set(checks)
+            nodes = topological_order(fusion.fuse(nodes, constants, keep, opsets), available)
         self.fusions = [n.op_type for n in nodes if n.domain == fusion.DOMAIN]
 
         known = set(available)
@@ -115,9 +127,12 @@ class Plan:
             # fused nodes run ai.onnx kernels at the graph's opset
             opset = opsets.get("" if node.domain in ("ai.onnx", fusion.DOMAIN) else node.domain, 0)
             steps.append((bind_node(node, opset, rng), tuple(ins), tuple(node.output), node))
-        for name in self.output_names:
+        for name in [*self.output_names, *checks]:
             if name not in known:
                 raise ModelCheckError(f"graph output {name!r} is produced by no node, input or initializer")
+        stray = set(destinations) - set(self.output_names)
+        if stray:
+            raise ValueError(f"destinations {sorted(stray)} are not among the plan's outputs")
 
         # free each intermediate right after its last reader; constants, feeds and outputs stay
         stay = set(self.output_names) | available
@@ -132,11 +147,23 @@ class Plan:
                 frees_at[i].append(name)
         self.steps = [Step(fn, ins, outs, tuple(frees_at[i]), node) for i, (fn, ins, outs, node) in enumerate(steps)]
 
+        # a node writes a destination in place only after every check has passed
+        after_checks = max((i for i, s in enumerate(self.steps) for o in s.outputs if o in checks), default=-1)
+        writers = {}
+        for i, s in enumerate(self.steps):
+            for name in s.outputs:
+                if name in destinations and i > after_checks and len(s.outputs) == 1:
+                    writer = inplace.writer(s.node, s.fn, destinations[name])
+                    if writer is not None:
+                        writers[i] = writer
+        self.in_place = sorted(self.steps[i].outputs[0] for i in writers)
         self._constants = dict(constants)
-        self._run = self._compile()
+        self._checks = checks
+        self._run = self._compile({}, {})
+        self._run_into = self._compile(writers, destinations) if destinations else self._run
 
-    def run(self, feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
-        run = self._run
+    def run(self, feeds: Sequence[np.ndarray], *, into: bool = False) -> list[np.ndarray]:
+        run = self._run_into if into else self._run
         if len(feeds) != len(self.input_names):
             raise InputError(f"the plan takes {len(self.input_names)} feeds ({self.input_names}), got {len(feeds)}")
         try:
@@ -156,12 +183,13 @@ class Plan:
 
     def instrument(self, wrap: Callable[[Step, Callable], Callable] | None) -> None:
         """Route every step's kernel through ``wrap(step, fn)`` (a profiler's timer); None undoes it."""
-        for i, fn in self._run.kernels.items():
-            self._run.__globals__[f"k{i}"] = fn if wrap is None else wrap(self.steps[i], fn)
+        for run in {id(r): r for r in (self._run, self._run_into)}.values():
+            for i, fn in run.kernels.items():
+                run.__globals__[f"k{i}"] = fn if wrap is None else wrap(self.steps[i], fn)
 
-    def _compile(self) -> Callable:
+    def _compile(self, writers: Mapping[int, Callable], destinations: Mapping[str, np.ndarray]) -> Callable:
         """The run as one generated function: a line per step, so a traceback's line names the step."""
-        space: dict[str, object] = {"__builtins__": {}}
+        space: dict[str, object] = {"__builtins__": {}, "_copyto": np.copyto}
         local: dict[str, str] = {}  # value name -> the variable holding it now
         fed = set(self.input_names)
         counter = iter(range(sys.maxsize))
@@ -179,13 +207,23 @@ class Plan:
             local[name] = f"v{next(counter)}"
             return local[name]
 
+        def checks(names: Iterable[str]) -> str:
+            calls = ""
+            for name in names:
+                if name in self._checks:
+                    key = f"chk{next(counter)}"
+                    space[key] = self._checks[name]
+                    calls += f"; {key}({ref(name)})"
+            return calls
+
         targets = [bind(n) for n in self.input_names]
         head = f"    {', '.join(targets)}, = feeds" if targets else "    pass"
+        head += checks(n for n in dict.fromkeys([*self.input_names, *self._constants]))
         lines = ["def run(feeds):", head]
         first_step_line = len(lines) + 1  # line numbers count from 1
         kernels, step_inputs = {}, []
         for i, step in enumerate(self.steps):
-            kernels[i] = space[f"k{i}"] = step.fn
+            kernels[i] = space[f"k{i}"] = writers.get(i, step.fn)
             args = [ref(n) for n in step.inputs]
             step_inputs.append(args)
             call = f"k{i}({', '.join(args)})"
@@ -194,9 +232,20 @@ class Plan:
                 code = f"{bind(named[0][1])} = {call}[0]"
             else:  # kernels may return more outputs than the node names
                 code = f"_r = {call}" + "".join(f"; {bind(n)} = _r[{j}]" for j, n in named) + "; _r = None"
+            code += checks(n for _, n in named)
             code += "".join(f"; {local.pop(n)} = None" for n in step.frees if n in local)
             lines.append("    " + code)
-        lines.append(f"    return [{', '.join(ref(n) for n in self.output_names)}]")
+        results = []
+        for name in self.output_names:
+            if name in destinations:
+                key = f"d{next(counter)}"
+                space[key] = destinations[name]
+                if name not in self.in_place:
+                    lines.append(f"    _copyto({key}, {ref(name)})")
+                results.append(key)
+            else:
+                results.append(ref(name))
+        lines.append(f"    return [{', '.join(results)}]")
         exec(compile("\n".join(lines) + "\n", _CODE_NAME, "exec"), space)  # noqa: S102 - generated from the plan's own steps
         run = space["run"]
         run.first_step_line, run.kernels, run.step_inputs = first_step_line, kernels, step_inputs
@@ -237,3 +286,5 @@ def topological_order(nodes: onnx.GraphProto | Iterable[onnx.NodeProto], availab
         order.extend(progressed)
         pending = rest
     return order
+
+

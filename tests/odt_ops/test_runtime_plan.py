@@ -1,6 +1,7 @@
-"""The runtime's compiled plan: fusions against the artifact graph run node by node as
-written (Plan(fuse=True) vs fuse=False, bit for bit), the generated run's error messages
-and the profiler's hook."""
+"""The runtime's compiled plan, each rewrite against the artifact graph run node by node
+as written: fusions (Plan(fuse=True) vs fuse=False, bit for bit), gradients computed
+straight into their buffers (destinations), checks that stop a run before any
+destination is written; the generated run's error messages and the profiler's hook."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from odt_ops import artifacts, meta
-from odt_ops.api import CheckpointState
+from odt_ops.api import CheckpointState, Module, TrainingDivergedError
 from odt_ops.errors import KernelError
 from odt_ops.onnxblock import loss as losses
 from odt_ops.runtime.plan import Plan
@@ -99,6 +100,60 @@ def test_cross_entropy_options_fused_equal_the_graph(tmp_path, case):
     for got, want, name in zip(fused.run(feeds), plain.run(feeds), fused.output_names):
         np.testing.assert_array_equal(got, want, err_msg=name)
     assert ("SoftmaxCrossEntropyLossGrad" in fused.fusions) == fusable
+
+
+def test_gradients_are_computed_into_their_destinations(tmp_path):
+    directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
+    plain, info = _training_plan(directory)
+    grads = [info.gradients[p] for p in info.trainable]
+    buffers = {g: np.full(plain.run(_feeds(directory, info, *classification_data(4)))[1 + i].shape, np.nan, np.float32)
+               for i, g in enumerate(grads)}
+    plan, _ = _training_plan(directory, destinations=buffers)
+    # the weight gradients come from Gemm nodes that write in place; the bias ones are copied
+    assert plan.in_place == sorted(info.gradients[p] for p in ("fc0.weight", "fc1.weight"))
+    feeds = _feeds(directory, info, *classification_data(16))
+    want = plain.run(feeds)
+    got = plan.run(feeds, into=True)
+    for i, g in enumerate(grads):
+        assert got[1 + i] is buffers[g]
+        np.testing.assert_array_equal(buffers[g], want[1 + i], err_msg=g)
+    np.testing.assert_array_equal(got[0], want[0])
+    # without into, the same plan returns fresh arrays and leaves the destinations alone
+    before = {g: b.copy() for g, b in buffers.items()}
+    again = plan.run(_feeds(directory, info, *classification_data(16, seed=3)))
+    assert all(np.array_equal(buffers[g], before[g]) for g in grads)
+    assert not all(np.array_equal(again[1 + i], before[g]) for i, g in enumerate(grads))
+
+
+def test_a_failed_check_stops_the_run_before_any_destination_is_written(tmp_path):
+    directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
+    plain, info = _training_plan(directory)
+    shapes = [a.shape for a in plain.run(_feeds(directory, info, *classification_data(4)))[1:]]
+    buffers = {info.gradients[p]: np.full(s, 7.0, np.float32) for p, s in zip(info.trainable, shapes)}
+    seen = []
+
+    def refuse(loss):
+        seen.append(float(loss))
+        raise TrainingDivergedError("refused")
+
+    plan, _ = _training_plan(directory, destinations=buffers, checks={info.loss: refuse})
+    with pytest.raises(TrainingDivergedError, match="refused"):
+        plan.run(_feeds(directory, info, *classification_data(16)), into=True)
+    assert len(seen) == 1 and all((b == 7.0).all() for b in buffers.values())
+
+
+def test_module_leaves_gradients_untouched_when_the_loss_diverges(tmp_path):
+    directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state)
+    x, y = classification_data(8)
+    module(x, y)
+    grads = {n: state.parameters[n].grad.copy() for n in state.parameters}
+    module.lazy_reset_grad()
+    x[0, 0] = np.inf
+    with pytest.raises(TrainingDivergedError):
+        module(x, y)
+    assert all(np.array_equal(state.parameters[n].grad, g) for n, g in grads.items())
 
 
 def _two_nodes() -> onnx.GraphProto:

@@ -1,0 +1,64 @@
+"""Nodes that write their result straight into a preallocated array.
+
+A plan given destinations (``Plan(..., destinations={output: array})``) binds the node
+producing such an output to one of these writers when there is one for its op, so the
+result is computed in its final place instead of in a fresh array that is then copied.
+Each writer performs its kernel's arithmetic, operation for operation, only with
+``out=``; when the values it meets are not the case it handles (another rank or dtype),
+it runs the ordinary kernel and copies.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+
+from odt_ops.ir.attributes import node_attributes
+
+Writer = Callable[..., tuple]
+
+
+def writer(node: onnx.NodeProto, kernel: Callable[..., tuple], out: np.ndarray) -> Writer | None:
+    """``node``'s kernel writing into ``out``, or None when its op has no writer."""
+    make = _WRITERS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    return None if make is None else make(node_attributes(node), kernel, out)
+
+
+def _copied(kernel: Callable[..., tuple], out: np.ndarray, args) -> tuple:
+    np.copyto(out, kernel(*args)[0])
+    return (out,)
+
+
+def _gemm(attrs: dict, kernel, out: np.ndarray) -> Writer | None:
+    if set(attrs) - {"alpha", "beta", "transA", "transB"}:
+        return None  # Gemm before opset 7 (broadcast)
+    alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
+    ta, tb = attrs.get("transA", 0), attrs.get("transB", 0)
+
+    def run(A, B, C=None):
+        if A.ndim != 2 or B.ndim != 2 or not A.dtype == B.dtype == out.dtype \
+                or (A.shape[1 if ta else 0], B.shape[0 if tb else 1]) != out.shape:
+            return _copied(kernel, out, (A, B) if C is None else (A, B, C))
+        np.matmul(A.T if ta else A, B.T if tb else B, out=out)
+        scalar = out.dtype.type
+        if alpha != 1:
+            np.multiply(out, scalar(alpha), out=out)
+        if C is not None and beta != 0:
+            np.add(out, C if beta == 1 else C * scalar(beta), out=out)
+        return (out,)
+
+    return run
+
+
+def _mat_mul(attrs: dict, kernel, out: np.ndarray) -> Writer:
+    def run(A, B):
+        if A.ndim != 2 or B.ndim != 2 or not A.dtype == B.dtype == out.dtype or (A.shape[0], B.shape[1]) != out.shape:
+            return _copied(kernel, out, (A, B))
+        np.matmul(A, B, out=out)
+        return (out,)
+
+    return run
+
+
+_WRITERS = {"Gemm": _gemm, "MatMul": _mat_mul}
