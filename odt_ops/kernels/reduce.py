@@ -63,7 +63,8 @@ def _sum(data, axes, keepdims):
             shape = [n if d in keep else 1 for d, n in enumerate(data.shape)] if keepdims else \
                 [n for d, n in enumerate(data.shape) if d in keep]
             return total.reshape(shape)
-    return np.sum(data, axis=axes, keepdims=keepdims, dtype=_accumulator(data.dtype))
+    # the ufunc's reduce directly: np.sum's dispatch costs ~1.4 us a call, half of a small reduction
+    return np.add.reduce(data, axis=axes, keepdims=keepdims, dtype=_accumulator(data.dtype))
 
 
 def _sum_by_matmul(data: np.ndarray, axes: Axes) -> np.ndarray | None:
@@ -128,15 +129,15 @@ def _highest(dtype: np.dtype):
 
 def _max(data, axes, keepdims):
     # initial= gives the spec's empty-set value (-inf, or the type's minimum)
-    return np.max(data, axis=axes, keepdims=keepdims, initial=_lowest(data.dtype))
+    return np.maximum.reduce(data, axis=axes, keepdims=keepdims, initial=_lowest(data.dtype))
 
 
 def _min(data, axes, keepdims):
-    return np.min(data, axis=axes, keepdims=keepdims, initial=_highest(data.dtype))
+    return np.minimum.reduce(data, axis=axes, keepdims=keepdims, initial=_highest(data.dtype))
 
 
 def _prod(data, axes, keepdims):
-    return np.prod(data, axis=axes, keepdims=keepdims, dtype=_accumulator(data.dtype))
+    return np.multiply.reduce(data, axis=axes, keepdims=keepdims, dtype=_accumulator(data.dtype))
 
 
 def _l1(data, axes, keepdims):
