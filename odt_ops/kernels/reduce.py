@@ -374,19 +374,19 @@ def top_k(X, K, *, axis=-1, largest=1, sorted=1):  # noqa: A002 - the spec's nam
 def _shifted(x: np.ndarray, axis: int) -> np.ndarray:
     """x minus its max along axis: a fresh array the caller may overwrite."""
     # initial= lets an empty axis through (the result is empty anyway)
-    return np.subtract(x, np.max(x, axis=axis, keepdims=True, initial=-np.inf))
+    return np.subtract(x, np.maximum.reduce(x, axis=axis, keepdims=True, initial=-np.inf))
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     out = _shifted(x, axis)
     np.exp(out, out=out)
-    out /= np.sum(out, axis=axis, keepdims=True)
+    out /= np.add.reduce(out, axis=axis, keepdims=True)
     return out
 
 
 def log_softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
     out = _shifted(x, axis)
-    out -= np.log(np.sum(np.exp(out), axis=axis, keepdims=True))
+    out -= np.log(np.add.reduce(np.exp(out), axis=axis, keepdims=True))
     return out
 
 
