@@ -19,7 +19,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import odt_ops
 from odt_ops import artifacts, meta
 from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import load_checkpoint
@@ -284,9 +283,11 @@ def test_metadata_is_required_and_versioned():
 # ---- training and inference modes ----------------------------------------------------------
 
 
-def _bn_stats(c1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _running_stats(c1: np.ndarray, mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The spec: running = momentum * running + (1 - momentum) * batch statistic (population variance)."""
     x = c1.astype(np.float64)
-    return x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))  # population variance, as the spec says
+    return tuple((BN_MOMENTUM * old + (1 - BN_MOMENTUM) * new).astype(np.float32)
+                 for old, new in ((mean, x.mean(axis=(0, 2, 3))), (var, x.var(axis=(0, 2, 3)))))
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -296,10 +297,10 @@ def test_batchnorm_running_statistics_follow_the_spec(cnn_art, engine):
     feeds["bn1.running_mean"] = np.linspace(-1, 1, 8).astype(np.float32)
     feeds["bn1.running_var"] = np.linspace(0.5, 2, 8).astype(np.float32)
     out = dict(zip([o.name for o in proto.graph.output], ENGINES[engine](_no_dropout(proto), feeds)))
-    mean, var = _bn_stats(out["c1"])
+    mean, var = _running_stats(out["c1"], feeds["bn1.running_mean"], feeds["bn1.running_var"])
     updates = cnn_art.info.buffer_updates
-    _assert_close(out[updates["bn1.running_mean"]], (BN_MOMENTUM * feeds["bn1.running_mean"] + (1 - BN_MOMENTUM) * mean).astype(np.float32), "running mean")
-    _assert_close(out[updates["bn1.running_var"]], (BN_MOMENTUM * feeds["bn1.running_var"] + (1 - BN_MOMENTUM) * var).astype(np.float32), "running var")
+    _assert_close(out[updates["bn1.running_mean"]], mean, "running mean")
+    _assert_close(out[updates["bn1.running_var"]], var, "running var")
 
 
 def test_module_updates_buffers_and_eval_uses_them(cnn_art):
@@ -307,9 +308,9 @@ def test_module_updates_buffers_and_eval_uses_them(cnn_art):
     module = Module(cnn_art.paths["training_model"], state, cnn_art.paths["eval_model"])
     before = {b: state.checkpoint.buffers[b].copy() for b in cnn_art.info.buffers}
     _, _, c1 = module(cnn_art.x, cnn_art.labels)
-    mean, var = _bn_stats(c1)
-    _assert_close(state.checkpoint.buffers["bn1.running_mean"], (BN_MOMENTUM * before["bn1.running_mean"] + (1 - BN_MOMENTUM) * mean).astype(np.float32), "mean")
-    _assert_close(state.checkpoint.buffers["bn1.running_var"], (BN_MOMENTUM * before["bn1.running_var"] + (1 - BN_MOMENTUM) * var).astype(np.float32), "var")
+    mean, var = _running_stats(c1, before["bn1.running_mean"], before["bn1.running_var"])
+    _assert_close(state.checkpoint.buffers["bn1.running_mean"], mean, "running mean")
+    _assert_close(state.checkpoint.buffers["bn1.running_var"], var, "running var")
     eval_loss, logits, _ = module.eval()(cnn_art.x, cnn_art.labels)
     forward = cnn_bn_dropout()
     weights = {**state.checkpoint.parameters, **state.checkpoint.buffers}

@@ -172,8 +172,10 @@ def test_adamw_modes_differ_where_the_formulas_do():
 
 
 @pytest.mark.parametrize("kind, want", [
-    (artifacts.OptimType.AdamW, {"kind": "AdamW", "hyperparameters": {"max_norm": None, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.0, "mode": "ort"}}),
-    (artifacts.OptimType.SGD, {"kind": "SGD", "hyperparameters": {"max_norm": None, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}}),
+    (artifacts.OptimType.AdamW,
+     {"kind": "AdamW", "hyperparameters": {"max_norm": None, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.0, "mode": "ort"}}),
+    (artifacts.OptimType.SGD,
+     {"kind": "SGD", "hyperparameters": {"max_norm": None, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}}),
 ])
 def test_optim_types_are_onnxruntimes_defaults(kind, want, tmp_path):
     paths = artifacts.generate_artifacts(_linear(False), requires_grad=["w", "b"], loss=artifacts.LossType.MSELoss,
@@ -240,61 +242,56 @@ def _torch_scores(x, w, b, spatial):
     return (x @ w + b).permute(0, 2, 1) if spatial else x @ w.T + b
 
 
-W_C = [0.5, 2.0, 1.0, 0.25]
+W_C = [0.5, 2.0, 1.0, 0.25]  # class weights
+POS = [3.0, 0.5, 1.0, 2.0]  # BCE pos_weight
+MSE, L1, BCE, CE = "mse_loss", "l1_loss", "binary_cross_entropy_with_logits", "cross_entropy"
 
-# id -> (our loss, torch loss on (scores, target), label kind, spatial)
+
+def _torch(function: str, **options):
+    """torch.nn.functional.<function>(scores, target, **options), lists as float64 tensors."""
+
+    def loss(F, scores, target):
+        import torch
+
+        kwargs = {k: torch.tensor(v, dtype=torch.float64) if isinstance(v, list) else v for k, v in options.items()}
+        return getattr(F, function)(scores, target, **kwargs)
+
+    return loss
+
+
+ALL_CE = {"weight": W_C, "ignore_index": 1, "label_smoothing": 0.3}
+# id -> (our loss, torch's, label kind, per-position scores [N, C, D])
 LOSS_CASES = {
-    "mse_default_enum": (artifacts.LossType.MSELoss, lambda F, s, y: F.mse_loss(s, y), "float", False),
-    "mse_sum": (losses.MSELoss("sum"), lambda F, s, y: F.mse_loss(s, y, reduction="sum"), "float", False),
-    "mse_none": (losses.MSELoss("none"), lambda F, s, y: F.mse_loss(s, y, reduction="none"), "float", False),
-    "l1_default_enum": (artifacts.LossType.L1Loss, lambda F, s, y: F.l1_loss(s, y), "float", False),
-    "l1_sum": (losses.L1Loss("sum"), lambda F, s, y: F.l1_loss(s, y, reduction="sum"), "float", False),
-    "l1_none": (losses.L1Loss("none"), lambda F, s, y: F.l1_loss(s, y, reduction="none"), "float", False),
-    "bce_default_enum": (artifacts.LossType.BCEWithLogitsLoss, lambda F, s, y: F.binary_cross_entropy_with_logits(s, y), "prob", False),
-    "bce_sum": (losses.BCEWithLogitsLoss(reduction="sum"), lambda F, s, y: F.binary_cross_entropy_with_logits(s, y, reduction="sum"), "prob", False),
-    "bce_none": (losses.BCEWithLogitsLoss(reduction="none"), lambda F, s, y: F.binary_cross_entropy_with_logits(s, y, reduction="none"), "prob", False),
-    "bce_weight": (losses.BCEWithLogitsLoss(weight=W_C), lambda F, s, y: F.binary_cross_entropy_with_logits(s, y, weight=_t(W_C)), "prob", False),
-    "bce_pos_weight_sum": (losses.BCEWithLogitsLoss(pos_weight=[3.0, 0.5, 1.0, 2.0], reduction="sum"),
-                           lambda F, s, y: F.binary_cross_entropy_with_logits(s, y, pos_weight=_t([3.0, 0.5, 1.0, 2.0]), reduction="sum"), "prob", False),
-    "bce_weight_pos_weight_none": (losses.BCEWithLogitsLoss(weight=W_C, pos_weight=[3.0, 0.5, 1.0, 2.0], reduction="none"),
-                                   lambda F, s, y: F.binary_cross_entropy_with_logits(s, y, weight=_t(W_C), pos_weight=_t([3.0, 0.5, 1.0, 2.0]), reduction="none"),
-                                   "prob", False),
-    "ce_default_enum": (artifacts.LossType.CrossEntropyLoss, lambda F, s, y: F.cross_entropy(s, y), "class", False),
-    "ce_sum": (losses.CrossEntropyLoss(reduction="sum"), lambda F, s, y: F.cross_entropy(s, y, reduction="sum"), "class", False),
-    "ce_none": (losses.CrossEntropyLoss(reduction="none"), lambda F, s, y: F.cross_entropy(s, y, reduction="none"), "class", False),
-    "ce_weight": (losses.CrossEntropyLoss(weight=W_C), lambda F, s, y: F.cross_entropy(s, y, weight=_t(W_C)), "class", False),
-    "ce_ignore_index": (losses.CrossEntropyLoss(ignore_index=1), lambda F, s, y: F.cross_entropy(s, y, ignore_index=1), "class", False),
-    "ce_ignore_index_none": (losses.CrossEntropyLoss(ignore_index=1, reduction="none"),
-                             lambda F, s, y: F.cross_entropy(s, y, ignore_index=1, reduction="none"), "class", False),
-    "ce_weight_ignore_index": (losses.CrossEntropyLoss(weight=W_C, ignore_index=1),
-                               lambda F, s, y: F.cross_entropy(s, y, weight=_t(W_C), ignore_index=1), "class", False),
-    "ce_label_smoothing": (losses.CrossEntropyLoss(label_smoothing=0.1), lambda F, s, y: F.cross_entropy(s, y, label_smoothing=0.1), "class", False),
-    "ce_label_smoothing_sum": (losses.CrossEntropyLoss(label_smoothing=0.2, reduction="sum"),
-                               lambda F, s, y: F.cross_entropy(s, y, label_smoothing=0.2, reduction="sum"), "class", False),
-    "ce_label_smoothing_none": (losses.CrossEntropyLoss(label_smoothing=0.2, reduction="none"),
-                                lambda F, s, y: F.cross_entropy(s, y, label_smoothing=0.2, reduction="none"), "class", False),
-    "ce_all_options": (losses.CrossEntropyLoss(weight=W_C, ignore_index=1, label_smoothing=0.3),
-                       lambda F, s, y: F.cross_entropy(s, y, weight=_t(W_C), ignore_index=1, label_smoothing=0.3), "class", False),
-    "ce_all_options_sum": (losses.CrossEntropyLoss(weight=W_C, ignore_index=1, label_smoothing=0.3, reduction="sum"),
-                           lambda F, s, y: F.cross_entropy(s, y, weight=_t(W_C), ignore_index=1, label_smoothing=0.3, reduction="sum"),
-                           "class", False),
-    "ce_all_options_none": (losses.CrossEntropyLoss(weight=W_C, ignore_index=1, label_smoothing=0.3, reduction="none"),
-                            lambda F, s, y: F.cross_entropy(s, y, weight=_t(W_C), ignore_index=1, label_smoothing=0.3, reduction="none"),
-                            "class", False),
-    "ce_spatial": (losses.CrossEntropyLoss(), lambda F, s, y: F.cross_entropy(s, y), "class", True),
-    "ce_spatial_all_options": (losses.CrossEntropyLoss(weight=W_C, ignore_index=1, label_smoothing=0.3),
-                               lambda F, s, y: F.cross_entropy(s, y, weight=_t(W_C), ignore_index=1, label_smoothing=0.3), "class", True),
-    "ce_spatial_all_options_none": (losses.CrossEntropyLoss(weight=W_C, ignore_index=1, label_smoothing=0.3, reduction="none"),
-                                    lambda F, s, y: F.cross_entropy(s, y, weight=_t(W_C), ignore_index=1, label_smoothing=0.3, reduction="none"),
-                                    "class", True),
+    "mse_default_enum": (artifacts.LossType.MSELoss, _torch(MSE), "float", False),
+    "mse_sum": (losses.MSELoss("sum"), _torch(MSE, reduction="sum"), "float", False),
+    "mse_none": (losses.MSELoss("none"), _torch(MSE, reduction="none"), "float", False),
+    "l1_default_enum": (artifacts.LossType.L1Loss, _torch(L1), "float", False),
+    "l1_sum": (losses.L1Loss("sum"), _torch(L1, reduction="sum"), "float", False),
+    "l1_none": (losses.L1Loss("none"), _torch(L1, reduction="none"), "float", False),
+    "bce_default_enum": (artifacts.LossType.BCEWithLogitsLoss, _torch(BCE), "prob", False),
+    "bce_sum": (losses.BCEWithLogitsLoss(reduction="sum"), _torch(BCE, reduction="sum"), "prob", False),
+    "bce_none": (losses.BCEWithLogitsLoss(reduction="none"), _torch(BCE, reduction="none"), "prob", False),
+    "bce_weight": (losses.BCEWithLogitsLoss(weight=W_C), _torch(BCE, weight=W_C), "prob", False),
+    "bce_pos_weight_sum": (losses.BCEWithLogitsLoss(pos_weight=POS, reduction="sum"), _torch(BCE, pos_weight=POS, reduction="sum"), "prob", False),
+    "bce_weight_pos_weight_none": (losses.BCEWithLogitsLoss(weight=W_C, pos_weight=POS, reduction="none"),
+                                   _torch(BCE, weight=W_C, pos_weight=POS, reduction="none"), "prob", False),
+    "ce_default_enum": (artifacts.LossType.CrossEntropyLoss, _torch(CE), "class", False),
+    "ce_sum": (losses.CrossEntropyLoss(reduction="sum"), _torch(CE, reduction="sum"), "class", False),
+    "ce_none": (losses.CrossEntropyLoss(reduction="none"), _torch(CE, reduction="none"), "class", False),
+    "ce_weight": (losses.CrossEntropyLoss(weight=W_C), _torch(CE, weight=W_C), "class", False),
+    "ce_ignore_index": (losses.CrossEntropyLoss(ignore_index=1), _torch(CE, ignore_index=1), "class", False),
+    "ce_ignore_index_none": (losses.CrossEntropyLoss(ignore_index=1, reduction="none"), _torch(CE, ignore_index=1, reduction="none"), "class", False),
+    "ce_weight_ignore_index": (losses.CrossEntropyLoss(weight=W_C, ignore_index=1), _torch(CE, weight=W_C, ignore_index=1), "class", False),
+    "ce_label_smoothing": (losses.CrossEntropyLoss(label_smoothing=0.1), _torch(CE, label_smoothing=0.1), "class", False),
+    "ce_label_smoothing_sum": (losses.CrossEntropyLoss(label_smoothing=0.2, reduction="sum"), _torch(CE, label_smoothing=0.2, reduction="sum"), "class", False),
+    "ce_label_smoothing_none": (losses.CrossEntropyLoss(label_smoothing=0.2, reduction="none"), _torch(CE, label_smoothing=0.2, reduction="none"), "class", False),
+    "ce_all_options": (losses.CrossEntropyLoss(**ALL_CE), _torch(CE, **ALL_CE), "class", False),
+    "ce_all_options_sum": (losses.CrossEntropyLoss(**ALL_CE, reduction="sum"), _torch(CE, **ALL_CE, reduction="sum"), "class", False),
+    "ce_all_options_none": (losses.CrossEntropyLoss(**ALL_CE, reduction="none"), _torch(CE, **ALL_CE, reduction="none"), "class", False),
+    "ce_spatial": (losses.CrossEntropyLoss(), _torch(CE), "class", True),
+    "ce_spatial_all_options": (losses.CrossEntropyLoss(**ALL_CE), _torch(CE, **ALL_CE), "class", True),
+    "ce_spatial_all_options_none": (losses.CrossEntropyLoss(**ALL_CE, reduction="none"), _torch(CE, **ALL_CE, reduction="none"), "class", True),
 }
-
-
-def _t(values):
-    """A float64 torch tensor (called only after pytest.importorskip("torch"))."""
-    import torch
-
-    return torch.tensor(values, dtype=torch.float64)
 
 
 def _labels(kind: str, spatial: bool, rng) -> np.ndarray:
