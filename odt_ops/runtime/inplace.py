@@ -4,8 +4,9 @@ A plan given destinations (``Plan(..., destinations={output: array})``) binds th
 producing such an output to one of these writers when there is one for its op, so the
 result is computed in its final place instead of in a fresh array that is then copied.
 Each writer performs its kernel's arithmetic, operation for operation, only with
-``out=``; when the values it meets are not the case it handles (another rank or dtype),
-it runs the ordinary kernel and copies.
+``out=``, and only where that arithmetic is the plain product (the tests hold the two
+equal bit for bit); when the values it meets are not the case it handles (another
+rank or dtype), it runs the ordinary kernel and copies.
 """
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def _copied(kernel: Callable[..., tuple], out: np.ndarray, args) -> tuple:
 
 
 def _gemm(attrs: dict, kernel, out: np.ndarray) -> Writer | None:
-    if set(attrs) - {"alpha", "beta", "transA", "transB"}:
-        return None  # Gemm before opset 7 (broadcast)
     alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
     ta, tb = attrs.get("transA", 0), attrs.get("transB", 0)
+    # a weight gradient contracts the batch: A' = A^T, which the kernel multiplies as it is
+    # (a batch of rows times weights may take the kernel's faster operand order instead)
+    if set(attrs) - {"alpha", "beta", "transA", "transB"} or not ta:
+        return None
 
     def run(A, B, C=None):
         if A.ndim != 2 or B.ndim != 2 or not A.dtype == B.dtype == out.dtype \

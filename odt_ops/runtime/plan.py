@@ -76,8 +76,8 @@ class Step:
 class Plan:
     """An executable form of one graph: ``run(feeds) -> outputs`` by position.
 
-    ``fuse``: apply the engine's fusions; False runs the graph node by node, as written (the
-    default is on unless the environment sets ODT_FUSE=0).
+    ``fuse``: apply the engine's fusions (or those named, from fusion.FUSIONS); False runs the
+    graph node by node, as written (the default is on unless the environment sets ODT_FUSE=0).
     ``destinations``: {output name: preallocated array}; ``run(feeds, into=True)`` leaves
     those outputs in their arrays (a node that can write its result in place does, the
     rest are copied at the end) and returns the arrays. They must not share memory with
@@ -95,7 +95,7 @@ class Plan:
         output_names: Sequence[str],
         rng: np.random.Generator | None = None,
         *,
-        fuse: bool | None = None,
+        fuse: bool | Iterable[str] | None = None,
         destinations: Mapping[str, np.ndarray] | None = None,
         checks: Mapping[str, Check] | None = None,
     ):
@@ -109,9 +109,12 @@ class Plan:
             raise UnsupportedOpError(missing)
         available = set(constants) | set(self.input_names)
         nodes = topological_order(graph.node, available)
-        if fuse if fuse is not None else os.environ.get("ODT_FUSE", "1") != "0":
+        if fuse is None:
+            fuse = os.environ.get("ODT_FUSE", "1") != "0"
+        if fuse:
             keep = set(self.output_names) | set(checks)
-            nodes = topological_order(fusion.fuse(nodes, constants, keep, opsets), available)
+            only = None if fuse is True else set(fuse)
+            nodes = topological_order(fusion.fuse(nodes, constants, keep, opsets, only), available)
         self.fusions = [n.op_type for n in nodes if n.domain == fusion.DOMAIN]
 
         known = set(available)

@@ -68,7 +68,11 @@ def test_mlp_fused_plan_equals_the_graph_as_written(tmp_path):
 def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
     directory = _generate(tmp_path, cnn(batchnorm=batchnorm), trainable=["conv*", "fc*", *(["bn1.weight", "bn1.bias"] if batchnorm else [])])
     fused = _assert_fused_equals_unfused(directory, *_cnn_data(8))
-    assert sorted(fused.fusions) == ["SoftmaxCrossEntropyLossGrad", "StackedSlices", "StackedSlices"]
+    assert sorted(fused.fusions) == ["ScatterIntoZeros", "ScatterIntoZeros", "SoftmaxCrossEntropyLossGrad",
+                                     "StackedSlices", "StackedSlices"]
+    # both MaxPool gradients scatter only where the ReLU before the pool let the value through
+    assert [len(s.node.input) for s in fused.steps if s.node.op_type == "ScatterIntoZeros"] == [4, 4]
+    assert not any(s.node.op_type in ("Greater", "Where", "ConstantOfShape", "ScatterElements") for s in fused.steps)
     if not batchnorm:  # (BatchNormalization's own gradient has Unsqueezes)
         assert not any(s.node.op_type in ("Slice", "Unsqueeze", "Concat") for s in fused.steps)
 
@@ -76,6 +80,42 @@ def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
 WEIGHT = [0.5, 2.0, 1.0, 0.25, 1.0, 1.0, 1.0, 1.0, 3.0, 1.0]
 # (loss, fused): with reduction "none" the per-sample loss's gradient is shaped by the loss
 # itself (a cycle through the fused node), so those stay as written
+def _pooled(order: str, **pool) -> onnx.ModelProto:
+    """Conv 4 3x3 -> ReLU and MaxPool in ``order`` -> Flatten -> Gemm 10 on 1x9x9."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 1, 3, 3)).astype(np.float32), "conv.weight"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "conv.bias")]
+    layers = {"relu": lambda x, y: helper.make_node("Relu", [x], [y]),
+              "pool": lambda x, y: helper.make_node("MaxPool", [x], [y], **pool)}
+    nodes, x = [helper.make_node("Conv", ["input", "conv.weight", "conv.bias"], ["c"], pads=[1, 1, 1, 1])], "c"
+    for i, name in enumerate(order.split("-")):
+        nodes.append(layers[name](x, f"h{i}"))
+        x = f"h{i}"
+    nodes.append(helper.make_node("Flatten", [x], ["f"], axis=1))
+    features = 4 * (5 if pool.get("pads") else 4) ** 2
+    inits.append(numpy_helper.from_array(rng.standard_normal((10, features)).astype(np.float32), "fc.weight"))
+    nodes.append(helper.make_node("Gemm", ["f", "fc.weight"], ["output"], transB=1))
+    graph = helper.make_graph(nodes, "pooled", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 9, 9])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 10])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("order, pool, masked", [
+    ("relu-pool", {"kernel_shape": [2, 2], "strides": [2, 2]}, True),
+    ("relu-pool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, True),  # overlapping: added
+    ("pool-relu", {"kernel_shape": [2, 2], "strides": [2, 2]}, False),
+    ("pool-relu", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, False),
+])
+def test_max_pool_gradient_scatters_into_fresh_zeros(tmp_path, order, pool, masked):
+    directory = _generate(tmp_path, _pooled(order, **pool))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((6, 1, 9, 9)).astype(np.float32)
+    x[0, 0, :4, :4] = 0  # windows of ties (and of zeros after the ReLU)
+    fused = _assert_fused_equals_unfused(directory, x, rng.integers(0, 10, 6))
+    scatters = [s for s in fused.steps if s.node.op_type == "ScatterIntoZeros"]
+    assert [len(s.node.input) == 4 for s in scatters] == [masked]
+
+
 CROSS_ENTROPY = {
     "sum": (losses.CrossEntropyLoss(reduction="sum"), True),
     "weight": (losses.CrossEntropyLoss(weight=WEIGHT), True),
