@@ -162,15 +162,14 @@ class Plan:
         self.in_place = sorted(self.steps[i].outputs[0] for i in writers)
         self._constants = dict(constants)
         self._checks = checks
-        self._run = self._compile({}, {})
-        self._run_into = self._compile(writers, destinations) if destinations else self._run
+        self._run = self._compile(writers, destinations)
 
     def run(self, feeds: Sequence[np.ndarray], *, into: bool = False) -> list[np.ndarray]:
-        run = self._run_into if into else self._run
+        run = self._run
         if len(feeds) != len(self.input_names):
             raise InputError(f"the plan takes {len(self.input_names)} feeds ({self.input_names}), got {len(feeds)}")
         try:
-            return run(feeds)
+            return run(feeds, into)
         except OdtError:
             raise
         except Exception as exc:  # a kernel met values it cannot handle: name the node
@@ -186,12 +185,12 @@ class Plan:
 
     def instrument(self, wrap: Callable[[Step, Callable], Callable] | None) -> None:
         """Route every step's kernel through ``wrap(step, fn)`` (a profiler's timer); None undoes it."""
-        for run in {id(r): r for r in (self._run, self._run_into)}.values():
-            for i, fn in run.kernels.items():
-                run.__globals__[f"k{i}"] = fn if wrap is None else wrap(self.steps[i], fn)
+        for key, (i, fn) in self._run.kernels.items():
+            self._run.__globals__[key] = fn if wrap is None else wrap(self.steps[i], fn)
 
     def _compile(self, writers: Mapping[int, Callable], destinations: Mapping[str, np.ndarray]) -> Callable:
-        """The run as one generated function: a line per step, so a traceback's line names the step."""
+        """The run as one generated function ``run(feeds, into)``: a line per step, so a traceback's
+        line names the step; ``into`` picks the writers and the destination copies."""
         space: dict[str, object] = {"__builtins__": {}, "_copyto": np.copyto}
         local: dict[str, str] = {}  # value name -> the variable holding it now
         fed = set(self.input_names)
@@ -222,14 +221,18 @@ class Plan:
         targets = [bind(n) for n in self.input_names]
         head = f"    {', '.join(targets)}, = feeds" if targets else "    pass"
         head += checks(n for n in dict.fromkeys([*self.input_names, *self._constants]))
-        lines = ["def run(feeds):", head]
+        lines = ["def run(feeds, into):", head]
         first_step_line = len(lines) + 1  # line numbers count from 1
         kernels, step_inputs = {}, []
         for i, step in enumerate(self.steps):
-            kernels[i] = space[f"k{i}"] = writers.get(i, step.fn)
+            kernels[f"k{i}"] = (i, step.fn)
+            fn = f"k{i}"
+            if i in writers:
+                kernels[f"w{i}"] = (i, writers[i])
+                fn = f"(w{i} if into else k{i})"
             args = [ref(n) for n in step.inputs]
             step_inputs.append(args)
-            call = f"k{i}({', '.join(args)})"
+            call = f"{fn}({', '.join(args)})"
             named = [(j, n) for j, n in enumerate(step.outputs) if n]
             if len(step.outputs) == 1 and named:
                 code = f"{bind(named[0][1])} = {call}[0]"
@@ -238,17 +241,20 @@ class Plan:
             code += checks(n for _, n in named)
             code += "".join(f"; {local.pop(n)} = None" for n in step.frees if n in local)
             lines.append("    " + code)
-        results = []
+        results, copies = [], []
         for name in self.output_names:
             if name in destinations:
                 key = f"d{next(counter)}"
                 space[key] = destinations[name]
                 if name not in self.in_place:
-                    lines.append(f"    _copyto({key}, {ref(name)})")
-                results.append(key)
+                    copies.append(f"_copyto({key}, {ref(name)})")
+                results.append(f"({key} if into else {ref(name)})")
             else:
                 results.append(ref(name))
+        if copies:
+            lines.append(f"    if into: {'; '.join(copies)}")
         lines.append(f"    return [{', '.join(results)}]")
+        space.update({key: fn for key, (_, fn) in kernels.items()})
         exec(compile("\n".join(lines) + "\n", _CODE_NAME, "exec"), space)  # noqa: S102 - generated from the plan's own steps
         run = space["run"]
         run.first_step_line, run.kernels, run.step_inputs = first_step_line, kernels, step_inputs

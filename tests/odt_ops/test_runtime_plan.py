@@ -4,6 +4,8 @@ straight into their buffers (destinations), checks that stop a run before any
 destination is written; the generated run's error messages and the profiler's hook."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 import pytest
@@ -59,7 +61,7 @@ def test_mlp_fused_plan_equals_the_graph_as_written(tmp_path):
     directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
     x, y = classification_data(16)
     fused = _assert_fused_equals_unfused(directory, x, y)
-    assert sorted(fused.fusions) == ["SoftmaxCrossEntropyLossGrad"]
+    assert Counter(fused.fusions) == {"SoftmaxCrossEntropyLossGrad": 1}
     # both bias gradients lost their Squeeze: ReduceSum(keepdims=0) in its place
     assert not any(s.node.op_type == "Squeeze" for s in fused.steps)
 
@@ -68,8 +70,7 @@ def test_mlp_fused_plan_equals_the_graph_as_written(tmp_path):
 def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
     directory = _generate(tmp_path, cnn(batchnorm=batchnorm), trainable=["conv*", "fc*", *(["bn1.weight", "bn1.bias"] if batchnorm else [])])
     fused = _assert_fused_equals_unfused(directory, *_cnn_data(8))
-    assert sorted(fused.fusions) == ["ScatterIntoZeros", "ScatterIntoZeros", "SoftmaxCrossEntropyLossGrad",
-                                     "StackedSlices", "StackedSlices"]
+    assert Counter(fused.fusions) == {"ScatterIntoZeros": 2, "SoftmaxCrossEntropyLossGrad": 1, "StackedSlices": 2}
     # both MaxPool gradients scatter only where the ReLU before the pool let the value through
     assert [len(s.node.input) for s in fused.steps if s.node.op_type == "ScatterIntoZeros"] == [4, 4]
     assert not any(s.node.op_type in ("Greater", "Where", "ConstantOfShape", "ScatterElements") for s in fused.steps)
