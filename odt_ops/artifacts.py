@@ -317,6 +317,10 @@ def _typed_like(proto: onnx.ModelProto, name: str, like: str) -> onnx.ValueInfoP
 
 def build_optimizer_model(opt: optim.Optimizer, params: dict[str, np.ndarray]) -> onnx.ModelProto:
     """The optimizer graph: (learning_rate, step, [param, grad, *states] per parameter) -> new values."""
+    not_f32 = sorted(n for n, a in params.items() if a.dtype != np.float32)
+    if not_f32:
+        raise ArtifactError(f"the optimizer graphs are built for float32 parameters; {not_f32} are not float32 "
+                            "(cast the model's weights to float32, or generate without an optimizer)")
     b = GraphBuilder(taken={"learning_rate", "step"}, prefix="optim")
     inputs = [helper.make_tensor_value_info("learning_rate", onnx.TensorProto.FLOAT, []),
               helper.make_tensor_value_info("step", onnx.TensorProto.INT64, [])]

@@ -77,10 +77,11 @@ def missing_gradients(
     missing = walk.missing_rules()
     for node in walk.path:
         domain = "" if node.domain == "ai.onnx" else node.domain
-        if lookup(domain, node.op_type, walk.opset) is None:
-            names = missing.setdefault((domain, node.op_type, walk.opset), [])
-            if node.name not in names:
-                names.append(node.name)
+        opset = walk.opsets.get(domain, 0)
+        if lookup(domain, node.op_type, opset) is None:
+            names = missing.setdefault((domain, node.op_type, opset), [])
+            if _label(node) not in names:
+                names.append(_label(node))
     return missing
 
 
@@ -89,6 +90,7 @@ class _Walk:
         self.proto = proto
         self.graph = proto.graph
         self.opset = default_opset(proto)
+        self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         if self.opset < MIN_OPSET:
             raise GradientError(
                 f"gradients need opset >= {MIN_OPSET}, the model has {self.opset}; load it with odt_ops.load_model to convert it"
@@ -113,6 +115,12 @@ class _Walk:
         if not_float:
             raise GradientError(f"parameters {not_float} are not floating-point tensors; they cannot require gradients")
 
+    def _maybe_float(self, name: str) -> bool:
+        """Float, or of a type inference could not tell (a custom op's output): such a value
+        stays on the path, so a missing rule is reported instead of the path silently ending."""
+        tp = self.types.get(name)
+        return tp is None or not tp.tensor_type.elem_type or tp.tensor_type.elem_type in FLOAT_TYPES
+
     def _is_float(self, name: str) -> bool:
         tp = self.types.get(name)
         return tp is not None and tp.tensor_type.elem_type in FLOAT_TYPES
@@ -123,7 +131,7 @@ class _Walk:
         active = set(self.wrt)
         for node in self.nodes:
             if any(i in active for i in node.input):
-                active.update(o for o in node.output if o and self._is_float(o))
+                active.update(o for o in node.output if o and self._maybe_float(o))
         wanted = set(targets)
         path = []
         for node in reversed(self.nodes):
@@ -138,7 +146,7 @@ class _Walk:
         for node in self.path:
             if lookup_gradient(node.domain, node.op_type) is None:
                 domain = "" if node.domain == "ai.onnx" else node.domain
-                missing.setdefault((domain, node.op_type, self.opset), []).append(node.name or node.output[0])
+                missing.setdefault((domain, node.op_type, self.opsets.get(domain, 0)), []).append(_label(node))
         return missing
 
     def run(self, grad_names: Mapping[str, str]) -> Gradients:
@@ -187,6 +195,10 @@ class _Walk:
                     g = unbroadcast(ctx, g, name)
                 _refine(b, g, name)
                 pending.setdefault(name, []).append(g)
+
+
+def _label(node: onnx.NodeProto) -> str:
+    return node.name or node.output[0]
 
 
 def unbroadcast(ctx: GradContext, g: str, x: str) -> str:

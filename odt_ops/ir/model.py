@@ -22,6 +22,7 @@ class Model:
     base_dir: str | None = None  # directory that external tensor data is relative to
     source: str = "<in-memory model>"  # named in error messages
     normalized: bool = False  # load_model has run on it: loading it again is a no-op
+    derived: set[str] = field(default_factory=set)  # initializers made by folding, not the user's weights
     _arrays: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @property

@@ -35,6 +35,7 @@ def inline_constant_nodes(model: Model) -> bool:
 
             (value,) = constant(**node_attributes(node))
             graph.initializer.append(numpy_helper.from_array(np.asarray(value), node.output[0]))
+            model.derived.add(node.output[0])
             changed = True
         else:
             keep.append(node)
@@ -50,6 +51,7 @@ def fold_constants(model: Model) -> bool:
 
     graph = model.graph
     const = _LazyConstants(graph.initializer, model)
+    parameters = potential_parameters(model)
     static_shapes = _static_shapes(graph)
     keep, added = [], []
     outputs = {o.name for o in graph.output}
@@ -65,7 +67,7 @@ def fold_constants(model: Model) -> bool:
             else:
                 attrs = node_attributes(node)
                 value = (np.array(shape, dtype=np.int64)[attrs.get("start", 0) : attrs.get("end", None)],)
-        elif node.input and all(n == "" or n in const for n in node.input):
+        elif node.input and all(n == "" or n in const for n in node.input) and not parameters.intersection(node.input):
             try:
                 fn = bind_node(node, model.opset)
                 value = fn(*[const[n] if n else None for n in node.input])
@@ -84,9 +86,21 @@ def fold_constants(model: Model) -> bool:
     for name in added:
         if name in used:
             graph.initializer.append(numpy_helper.from_array(const[name], name))
+            model.derived.add(name)
     _replace_nodes(model, keep)
     prune_unused(model)
     return True
+
+
+def potential_parameters(model: Model) -> set[str]:
+    """The model's own float tensors (not folded results, not scalars): a user may train them,
+    so folding never turns one into a new initializer of another name (a Transpose of a
+    weight in an export made without constant folding stays a Transpose of that weight)."""
+    return {t.name for t in model.graph.initializer
+            if t.name not in model.derived and t.data_type in _FLOAT_TYPES and int(np.prod(t.dims, dtype=np.int64)) > 1}
+
+
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 
 class _LazyConstants(dict):

@@ -675,3 +675,23 @@ def test_check_coverage_counts_parameters():
     assert report["trainable_parameters"] == 8 * 9 + 8 + 16 * 8 * 9 + 16 + 10 * 784 + 10
     assert report["all_parameters"] == report["trainable_parameters"] + 4 * 8
     assert report["nodes"] == 9
+
+
+def test_a_custom_op_on_the_path_is_reported_not_silently_cut(tmp_path):
+    """Its output has no inferred type; the walk must still see the path through it."""
+    from odt_ops.errors import UnsupportedOpError
+    from odt_ops.grad import missing_gradients
+    from odt_ops.ir.model import Model
+
+    w = onnx.numpy_helper.from_array(np.ones((3, 4), np.float32), "w")
+    nodes = [onnx.helper.make_node("Gemm", ["x", "w"], ["h"], transB=1, name="fc"),
+             onnx.helper.make_node("Twice", ["h"], ["t"], domain="test.custom", name="twice"),
+             onnx.helper.make_node("Relu", ["t"], ["y"], name="relu")]
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 4])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 3])], [w])
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid("test.custom", 1)])
+    missing = missing_gradients(Model(proto), ["w"])
+    assert missing == {("test.custom", "Twice", 1): ["twice"]}
+    with pytest.raises(UnsupportedOpError, match="twice"):
+        artifacts.generate_artifacts(proto, requires_grad=["w"], loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    assert not list(tmp_path.iterdir())

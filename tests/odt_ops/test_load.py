@@ -176,3 +176,14 @@ def test_kernel_failure_names_the_node():
     sess = odt_ops.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     with pytest.raises(KernelError, match="the_reshape"):
         sess.run(None, {"x": np.ones(5, np.float32), "shape": np.array([2, 2], np.int64)})
+
+
+def test_folding_keeps_the_users_weights():
+    # an export made without constant folding: the weight reaches MatMul through a Transpose
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "w")
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])], [w])
+    model = odt_ops.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    assert [t.name for t in model.graph.initializer] == ["w"]
+    assert [n.op_type for n in model.graph.node] == ["Transpose", "MatMul"]

@@ -40,7 +40,7 @@ def randomize_weights(proto: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
     out.CopyFrom(proto)
     for tensor in out.graph.initializer:
         array = numpy_helper.to_array(tensor)
-        if array.dtype.kind != "f":
+        if array.dtype.kind != "f" or array.size == 1:  # scalars (Dropout ratios, ...) are not weights
             continue
         role = roles.get(tensor.name, "positive")
         if role == "conv_weight":

@@ -410,7 +410,9 @@ def dropout_grad(ctx, dY, dMask=None):
     mask = ctx.output(1)
     r = ctx.value(ratio) if ratio else np.array(0.5)
     if r is not None:
-        scale = ctx.const(1.0 / (1.0 - float(r)) if float(r) < 1 else 0.0, like=X)
+        if not 0 <= float(r) < 1:
+            raise ctx.fail(f"the dropout ratio is {float(r)}; training needs 0 <= ratio < 1")
+        scale = ctx.const(1.0 / (1.0 - float(r)), like=X)
     else:
         one = ctx.const(1, like=X)
         scale = b.Div(one, b.Sub(one, b.CastLike(ratio, X)))
