@@ -274,3 +274,32 @@ def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, s
         assert I.dtype == np.int64 and I.flags.c_contiguous
         np.testing.assert_array_equal(I, want_I)
         assert X.tobytes() == before.tobytes()
+
+
+@SETTINGS
+@given(windows(max_stride=2), transpose_windows(), st.integers(1, 2), st.integers(1, 2), st.integers(1, 2),
+       st.sampled_from([1, 3000]), seeds)
+def test_conv_in_batch_slices_is_unchanged(geometry, transposed, group, in_per_group, out_per_group, budget, seed):
+    """Conv and ConvTranspose through ``_batch_steps`` slices (a tiny cache budget) give the very same
+    bits as in one go: the column buffer is reused, the bias row and zero guard must survive."""
+    import odt_ops.kernels.conv as conv_kernels
+
+    C, M = group * in_per_group, group * out_per_group
+    rng = np.random.default_rng(seed)
+    cases = []
+    spatial, attrs = geometry
+    cases.append((conv_kernels.conv, rng.standard_normal((5, C, *spatial)).astype(np.float32),
+                  rng.standard_normal((M, in_per_group, *attrs["kernel_shape"])).astype(np.float32), attrs))
+    spatial, attrs = transposed
+    cases.append((conv_kernels.conv_transpose, rng.standard_normal((5, C, *spatial)).astype(np.float32),
+                  rng.standard_normal((C, out_per_group, *attrs["kernel_shape"])).astype(np.float32), attrs))
+    B = rng.standard_normal(M).astype(np.float32)
+    for fn, X, W, attrs in cases:
+        whole = fn(X, W, B, group=group, **attrs)[0]
+        saved = conv_kernels._CACHE_BYTES
+        try:
+            conv_kernels._CACHE_BYTES = budget
+            sliced = fn(X, W, B, group=group, **attrs)[0]
+        finally:
+            conv_kernels._CACHE_BYTES = saved
+        assert sliced.dtype == whole.dtype and sliced.tobytes() == whole.tobytes()
