@@ -81,6 +81,8 @@ def constant_of_shape(input, *, value=None):
     fill = np.zeros(1, dtype=np.float32) if value is None else np.asarray(value).reshape(-1)
     if fill.size != 1:
         raise ValueError(f"ConstantOfShape value must hold one element, got {fill.size}")
+    if fill.dtype != object and not fill.view(np.uint8).any():  # all-zero bits: calloc'd pages are zero already
+        return (np.zeros(_ints(input), dtype=fill.dtype),)
     return (np.full(_ints(input), fill[0], dtype=fill.dtype),)
 
 
