@@ -117,6 +117,29 @@ def test_max_pool_gradient_scatters_into_fresh_zeros(tmp_path, order, pool, mask
     assert [len(s.node.input) == 4 for s in scatters] == [masked]
 
 
+@pytest.mark.parametrize("conv", [
+    {"strides": [2, 2], "pads": [1, 1, 1, 1]},
+    {"dilations": [2, 2], "pads": [2, 0, 1, 3]},
+    {"strides": [2, 1], "pads": [0, 2, 2, 0], "kernel_shape": [2, 3]},
+    {"strides": [3, 3]},  # no padding, and windows that stop short of the end
+])
+def test_conv_weight_gradient_taps_with_strides_dilations_and_pads(tmp_path, conv):
+    rng = np.random.default_rng(3)
+    kernel = conv.get("kernel_shape", [3, 3])
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 2, *kernel)).astype(np.float32), "conv.weight")]
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["input", "conv.weight"], ["c"], **conv), helper.make_node("Flatten", ["c"], ["f"]),
+         helper.make_node("ReduceSum", ["f", "axes"], ["output"], keepdims=0)], "conv",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 2, 11, 10])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch"])],
+        [*inits, numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    directory = _generate(tmp_path, model, loss=artifacts.LossType.MSELoss, trainable=["conv.weight"])
+    x = rng.standard_normal((3, 2, 11, 10)).astype(np.float32)
+    fused = _assert_fused_equals_unfused(directory, x, rng.standard_normal(3).astype(np.float32))
+    assert fused.fusions == ["StackedSlices"]
+
+
 CROSS_ENTROPY = {
     "sum": (losses.CrossEntropyLoss(reduction="sum"), True),
     "weight": (losses.CrossEntropyLoss(weight=WEIGHT), True),
