@@ -619,8 +619,9 @@ def _max_with_indices_tiled(X: np.ndarray, geo: _Geometry, storage_order: int) -
     The same passes, last window axis first, so ties and NaNs resolve exactly alike. The
     strided taps of small planes cost numpy one short inner loop per output row in every
     pass, so one copy first lays the input out tap-major, (*kernel, N, C, *out): each pass
-    then runs over whole contiguous blocks. Each value carries its offset from its window's
-    origin in the narrowest integer that holds it; the flat index is assembled once."""
+    then runs over whole contiguous blocks (a large batch in cache-sized slices). Each value
+    carries its offset from its window's origin in the narrowest integer that holds it; the
+    flat index is assembled once, straight into the output."""
     N, C, *spatial = X.shape
     rank = len(spatial)
     plane = math.prod(spatial)
@@ -630,19 +631,45 @@ def _max_with_indices_tiled(X: np.ndarray, geo: _Geometry, storage_order: int) -
     grid = as_strided(X, writeable=False,
                       shape=(N, C, *(n for o, k in zip(geo.out, geo.kernel) for n in (o, k))),
                       strides=(*X.strides[:2], *(n for s, k in zip(X.strides[2:], geo.kernel) for n in (s * k, s))))
-    taps = np.empty((*geo.kernel, N, C, *geo.out), dtype=X.dtype)
-    np.copyto(taps, grid.transpose(*range(3, 2 + 2 * rank, 2), 0, 1, *range(2, 2 + 2 * rank, 2)))
-    offset_type = _offset_dtype(plane)
+    tap_major = (*range(3, 2 + 2 * rank, 2), 0, 1, *range(2, 2 + 2 * rank, 2))
+    origin = sum(np.arange(o, dtype=np.int64).reshape((o,) + (1,) * (rank - 1 - a)) * (k * p)
+                 for a, (o, k, p) in enumerate(zip(geo.out, geo.kernel, pitch)))
+    planes = np.arange(N * C, dtype=np.int64).reshape(N, C, *(1,) * rank) * plane
+    offset_type = _offset_dtype(sum((k - 1) * p for k, p in zip(geo.kernel, pitch)))  # the farthest tap
+    values = np.empty((N, C, *geo.out), dtype=X.dtype)
+    indices = np.empty((N, C, *geo.out), dtype=np.int64)
+    buffer = None
+    for batch in _batch_steps(N, 2 * C * plane * X.itemsize):  # the taps and the passes' temporaries
+        n = batch.stop - batch.start
+        if buffer is None:
+            buffer = np.empty((*geo.kernel, n, C, *geo.out), dtype=X.dtype)
+        taps = buffer[(slice(None),) * rank + (slice(n),)]
+        np.copyto(taps, grid[batch].transpose(tap_major))
+        offsets = _first_max_offsets(taps, geo.kernel, pitch, offset_type, values[batch])
+        np.add(planes[batch], origin, out=indices[batch])
+        if offsets is not None:  # None: one-tap windows
+            indices[batch] += offsets
+    return values, indices
+
+
+def _first_max_offsets(taps: np.ndarray, kernel: Sequence[int], pitch: Sequence[int], offset_type: np.dtype,
+                       out: np.ndarray) -> np.ndarray | None:
+    """Max over the leading (*kernel) axes of ``taps`` into ``out``, last axis first, and the plane
+    offset of the first maximum (None for one-tap windows), as in ``_max_with_indices``."""
+    rank = len(kernel)
     values, offsets = taps, None
-    for axis in reversed(range(rank)):  # values: (*kernel[:axis + 1], N, C, *out)
+    for axis in reversed(range(rank)):  # values: (*kernel[:axis + 1], n, C, *out)
         lead = (slice(None),) * axis
-        row = [values[(*lead, j)] for j in range(geo.kernel[axis])]
-        carried = [None if offsets is None else offsets[(*lead, j)] for j in range(geo.kernel[axis])]
+        row = [values[(*lead, j)] for j in range(kernel[axis])]
+        carried = [None if offsets is None else offsets[(*lead, j)] for j in range(kernel[axis])]
         best, at = row[0], carried[0]
         for j, (tap, came) in enumerate(zip(row[1:], carried[1:]), start=1):
             # at = better ? j steps along this axis + came : at, by arithmetic (no branchy select)
             better = (tap > best).view(np.int8)
-            best = np.maximum(best, tap, out=None if j == 1 else best)  # the first one makes a fresh array
+            if j == 1:  # the first maximum makes a fresh array (the last pass's lands in ``out``)
+                best = np.maximum(best, tap, out=out if axis == 0 else None)
+            else:
+                np.maximum(best, tap, out=best)
             if at is None:  # no offsets yet: all zero
                 at = better * offset_type.type(j * pitch[axis])
                 continue
@@ -652,13 +679,9 @@ def _max_with_indices_tiled(X: np.ndarray, geo: _Geometry, storage_order: int) -
             step *= better
             at = at + step if j == 1 else np.add(at, step, out=at)
         values, offsets = best, at
-    origin = sum(np.arange(o, dtype=np.int64).reshape((o,) + (1,) * (rank - 1 - a)) * (k * p)
-                 for a, (o, k, p) in enumerate(zip(geo.out, geo.kernel, pitch)))
-    planes = np.arange(N * C, dtype=np.int64).reshape(N, C, *(1,) * rank) * plane
-    indices = planes + origin
-    if offsets is not None:  # None: one-tap windows
-        indices += offsets
-    return values, indices
+    if values is not out:  # a one-tap first axis: no maximum was taken in the last pass
+        np.copyto(out, values)
+    return offsets
 
 
 @kernel("MaxPool", since=1)

@@ -252,7 +252,9 @@ def test_bad_attributes_name_the_node(op, attrs, message):
 @pytest.mark.parametrize("storage_order", [0, 1])
 def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, storage_order):
     """Windows that tile the input take the tap-major path: same values (bit for bit) and indices as the
-    general separable path, on ties, NaNs (two payloads), -0.0 and infinities, with cropped edges."""
+    general separable path, on ties, NaNs (two payloads), -0.0 and infinities, with cropped edges;
+    and the same in batch slices."""
+    import odt_ops.kernels.conv as conv_kernels
     from odt_ops.kernels.conv import _lowest, _max_with_indices, _pad_for_windows, _pool_geometry
 
     rng = np.random.default_rng(sum(spatial) * 31 + sum(kernel) * 7 + storage_order)
@@ -267,6 +269,14 @@ def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, s
             nan_bits[rng.random(X.shape) < 0.03] = np.array(-np.nan, dtype).view(nan_bits.dtype) | 1  # another payload
         before = X.copy()
         Y, I = max_pool(X, kernel_shape=list(kernel), strides=list(kernel), storage_order=storage_order, _num_outputs=2)
+        saved = conv_kernels._CACHE_BYTES
+        try:
+            conv_kernels._CACHE_BYTES = 1  # one image a slice: the same bits
+            sliced = max_pool(X, kernel_shape=list(kernel), strides=list(kernel), storage_order=storage_order,
+                              _num_outputs=2)
+        finally:
+            conv_kernels._CACHE_BYTES = saved
+        assert sliced[0].tobytes() == Y.tobytes() and sliced[1].tobytes() == I.tobytes()
         geo = _pool_geometry(X, "MaxPool", list(kernel), strides=list(kernel), dilations=None, pads=None,
                              auto_pad="NOTSET", ceil_mode=0)
         want_Y, want_I = _max_with_indices(X, _pad_for_windows(X, geo, _lowest(X.dtype)), geo, storage_order)
