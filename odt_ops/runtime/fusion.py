@@ -54,12 +54,12 @@ def bind(node: onnx.NodeProto, opset: int) -> Callable[..., tuple]:
 
 
 def fuse(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: Iterable[str],
-         opsets: Mapping[str, int], only: Iterable[str] | None = None) -> list[onnx.NodeProto]:
+         only: Iterable[str] | None = None) -> list[onnx.NodeProto]:
     """The nodes with every fusion (or those named in ``only``) applied; ``keep`` must survive."""
     unknown = set(only or ()) - set(FUSIONS)
     if unknown:
         raise ValueError(f"unknown fusion(s) {sorted(unknown)}; the fusions are {list(FUSIONS)}")
-    graph = Graph(nodes, constants, set(keep), opsets)
+    graph = Graph(nodes, constants, set(keep))
     for name, run in FUSIONS.items():
         if only is None or name in only:
             run(graph)
@@ -69,12 +69,10 @@ def fuse(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], k
 class Graph:
     """The node list a fusion rewrites, with producer/consumer lookups and its constants."""
 
-    def __init__(self, nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: set[str],
-                 opsets: Mapping[str, int]):
+    def __init__(self, nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: set[str]):
         self.nodes = list(nodes)
         self.constants = constants
         self.keep = keep
-        self.opset = opsets.get("", opsets.get("ai.onnx", 0))
         self._index()
 
     def _index(self) -> None:
@@ -109,9 +107,10 @@ class Graph:
         return self.constants.get(name) if name else None
 
     def is_zero(self, name: str) -> bool:
-        """Whether ``name`` is a constant scalar +0."""
+        """Whether ``name`` is a constant +0 that broadcasts without adding axes (0-d or [1])."""
         value = self.constant(name)
-        return value is not None and value.size == 1 and value.reshape(-1)[0] == 0 and not np.signbit(value.reshape(-1)[0])
+        return value is not None and value.size == 1 and value.ndim <= 1 and value.reshape(-1)[0] == 0 \
+            and not np.signbit(value.reshape(-1)[0])
 
     def ints(self, node: onnx.NodeProto, position: int, attribute: str) -> list[int] | None:
         """A constant int list given as input ``position`` (newer opsets) or as an attribute."""
@@ -123,9 +122,13 @@ class Graph:
 
     def replace(self, old: Sequence[onnx.NodeProto], new: onnx.NodeProto) -> bool:
         """Put ``new`` where the last of ``old`` was (the plan sorts again afterwards); False, and
-        nothing changed, when an input of ``new`` is computed from an output of ``old`` (a cycle)."""
+        nothing changed, when an input of ``new`` is computed from an output of ``old`` (a cycle)
+        or when ``new`` drops a value of ``old`` that another node or the caller needs."""
         produced = {name for n in old for name in n.output if name}
-        if self._reaches(new.input, produced):
+        spent = {id(n) for n in old}
+        needed = [name for name in produced - set(new.output)
+                  if name in self.keep or any(id(r) not in spent for r in self.consumers(name))]
+        if needed or self._reaches(new.input, produced):
             return False
         drop = {id(n) for n in old}
         at = max(i for i, n in enumerate(self.nodes) if id(n) in drop)
@@ -354,7 +357,7 @@ def _scatter_into_zeros(g: Graph) -> bool:
             continue
         fused = _fused_node("ScatterIntoZeros", [fill.input[0], scatter.input[1], scatter.input[2]], [scatter.output[0]],
                             f"fused/{scatter.name or scatter.output[0]}", reduction=attrs.get("reduction", "none"),
-                            dtype=value.dtype.name)
+                            dtype=onnx.helper.np_dtype_to_tensor_dtype(value.dtype))
         changed = g.replace([fill, scatter], fused) or changed
     return changed
 
@@ -389,14 +392,15 @@ def _relu_masked_scatter(g: Graph) -> bool:
             continue
         fused = _fused_node("ScatterIntoZeros", [*scatter.input, y], [where.output[0]], f"fused/{where.name or where.output[0]}",
                             **node_attributes(scatter))
-        spent = [n for n in (greater, shape) if g.sole_reader(n.output[0], n is greater and "Where" or "Reshape") is not None]
+        # the mask and the shape go too unless something else reads them
+        spent = [n for n, reader in ((greater, "Where"), (shape, "Reshape")) if g.sole_reader(n.output[0], reader)]
         changed = g.replace([where, reshape, scatter, *spent], fused) or changed
     return changed
 
 
 @fused_op("ScatterIntoZeros")
 def _scatter_into_zeros_op(attrs: dict, opset: int) -> Callable[..., tuple]:
-    reduction, dtype = attrs["reduction"], np.dtype(attrs["dtype"])
+    reduction, dtype = attrs["reduction"], onnx.helper.tensor_dtype_to_np_dtype(attrs["dtype"])
 
     def run(shape, indices, updates, masked_by=None):
         n = int(shape.reshape(-1)[0])

@@ -114,7 +114,7 @@ class Plan:
         if fuse:
             keep = set(self.output_names) | set(checks)
             only = None if fuse is True else set(fuse)
-            nodes = topological_order(fusion.fuse(nodes, constants, keep, opsets, only), available)
+            nodes = topological_order(fusion.fuse(nodes, constants, keep, only), available)
         self.fusions = [n.op_type for n in nodes if n.domain == fusion.DOMAIN]
 
         known = set(available)

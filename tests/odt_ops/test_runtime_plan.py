@@ -247,3 +247,33 @@ def test_instrument_wraps_every_kernel_and_undoes_it():
     plan.instrument(None)
     plan.run(feeds)
     assert calls == ["first", "second"]
+
+
+def _reduce_squeeze_graph() -> onnx.GraphProto:
+    return helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["r"], keepdims=1), helper.make_node("Squeeze", ["r", "axes"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([0], np.int64), "axes")])
+
+
+@pytest.mark.parametrize("outputs, fused", [(["y"], True), (["y", "r"], False)])  # r wanted by the caller: kept
+def test_a_fusion_keeps_every_value_the_caller_asks_for(outputs, fused):
+    constants = {"axes": np.array([0], np.int64)}
+    plan = Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], outputs)
+    assert any(s.node.op_type == "Squeeze" for s in plan.steps) != fused
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = plan.run([x])
+    np.testing.assert_array_equal(got[0], x.sum(0))
+    if len(outputs) > 1:
+        np.testing.assert_array_equal(got[1], x.sum(0, keepdims=True))
+
+
+def test_fusions_can_be_named_or_switched_off(monkeypatch):
+    constants = {"axes": np.array([0], np.int64)}
+    squeezes = lambda plan: sum(s.node.op_type == "Squeeze" for s in plan.steps)  # noqa: E731
+    assert squeezes(Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], fuse=["stacked_slices"])) == 1
+    assert squeezes(Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], fuse=["reduce_squeeze"])) == 0
+    monkeypatch.setenv("ODT_FUSE", "0")
+    assert squeezes(Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"])) == 1
+    with pytest.raises(ValueError, match="unknown fusion"):
+        Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], fuse=["no_such_fusion"])
