@@ -69,6 +69,8 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
         _check(model, full=False)
         if target_opset is not None and model.opset != target_opset:
             _convert(model, target_opset)
+    # IR >= 4 lets initializers be plain constants (IR 3 typed them only as graph inputs)
+    model.proto.ir_version = ir_version_for(model.opset)
     for p in (passes.inline_constant_nodes, passes.fold_constants, passes.unique_node_names):
         p(model)
     if batch_dim:
