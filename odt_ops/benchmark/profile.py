@@ -65,9 +65,9 @@ def _node_times(plan, run, steps: int) -> dict[str, tuple[str, float]]:
         times = acc.setdefault(key, [])
         ops[key] = step.node.op_type
 
-        def timed(*args):
+        def timed(*args, **kwargs):
             t = time.perf_counter()
-            res = fn(*args)
+            res = fn(*args, **kwargs)
             times.append(time.perf_counter() - t)
             return res
         return timed

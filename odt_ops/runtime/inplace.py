@@ -1,8 +1,9 @@
 """Nodes that write their result straight into a preallocated array.
 
-A plan given destinations (``Plan(..., destinations={output: array})``) binds the node
-producing such an output to one of these writers when there is one for its op, so the
-result is computed in its final place instead of in a fresh array that is then copied.
+A plan given destinations (``Plan(..., destinations=[outputs])``, the arrays passed to
+each run) binds the node producing such an output to one of these writers when there is
+one for its op, so the result is computed in its final place instead of in a fresh array
+that is then copied. A writer takes the destination as the keyword ``out``.
 Each writer performs its kernel's arithmetic, operation for operation, only with
 ``out=``, and only where that arithmetic is the plain product (the tests hold the two
 equal bit for bit); when the values it meets are not the case it handles (another
@@ -20,10 +21,10 @@ from odt_ops.ir.attributes import node_attributes
 Writer = Callable[..., tuple]
 
 
-def writer(node: onnx.NodeProto, kernel: Callable[..., tuple], out: np.ndarray) -> Writer | None:
-    """``node``'s kernel writing into ``out``, or None when its op has no writer."""
+def writer(node: onnx.NodeProto, kernel: Callable[..., tuple]) -> Writer | None:
+    """``node``'s kernel writing into the array given as ``out=``, or None when its op has no writer."""
     make = _WRITERS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-    return None if make is None else make(node_attributes(node), kernel, out)
+    return None if make is None else make(node_attributes(node), kernel)
 
 
 def _copied(kernel: Callable[..., tuple], out: np.ndarray, args) -> tuple:
@@ -31,7 +32,7 @@ def _copied(kernel: Callable[..., tuple], out: np.ndarray, args) -> tuple:
     return (out,)
 
 
-def _gemm(attrs: dict, kernel, out: np.ndarray) -> Writer | None:
+def _gemm(attrs: dict, kernel) -> Writer | None:
     alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
     ta, tb = attrs.get("transA", 0), attrs.get("transB", 0)
     # a weight gradient contracts the batch: A' = A^T, which the kernel multiplies as it is
@@ -39,7 +40,7 @@ def _gemm(attrs: dict, kernel, out: np.ndarray) -> Writer | None:
     if set(attrs) - {"alpha", "beta", "transA", "transB"} or not ta:
         return None
 
-    def run(A, B, C=None):
+    def run(A, B, C=None, *, out):
         if A.ndim != 2 or B.ndim != 2 or not A.dtype == B.dtype == out.dtype \
                 or (A.shape[1 if ta else 0], B.shape[0 if tb else 1]) != out.shape:
             return _copied(kernel, out, (A, B) if C is None else (A, B, C))
@@ -54,8 +55,8 @@ def _gemm(attrs: dict, kernel, out: np.ndarray) -> Writer | None:
     return run
 
 
-def _mat_mul(attrs: dict, kernel, out: np.ndarray) -> Writer:
-    def run(A, B):
+def _mat_mul(attrs: dict, kernel) -> Writer:
+    def run(A, B, *, out):
         if A.ndim != 2 or B.ndim != 2 or not A.dtype == B.dtype == out.dtype or (A.shape[0], B.shape[1]) != out.shape:
             return _copied(kernel, out, (A, B))
         np.matmul(A, B, out=out)

@@ -78,10 +78,10 @@ class Plan:
 
     ``fuse``: apply the engine's fusions (or those named, from fusion.FUSIONS); False runs the
     graph node by node, as written (the default is on unless the environment sets ODT_FUSE=0).
-    ``destinations``: {output name: preallocated array}; ``run(feeds, into=True)`` leaves
-    those outputs in their arrays (a node that can write its result in place does, the
-    rest are copied at the end) and returns the arrays. They must not share memory with
-    any feed or constant.
+    ``destinations``: output names that ``run(feeds, into=[arrays])`` leaves in the given
+    preallocated arrays, one per name in this order (a node that can write its result in
+    place does, the rest are copied at the end), returning those arrays. They must not
+    share memory with any feed or constant.
     ``checks``: {value name: callable}, called on the value as soon as it is computed; an
     exception it raises stops the run before any destination is written.
     """
@@ -96,13 +96,13 @@ class Plan:
         rng: np.random.Generator | None = None,
         *,
         fuse: bool | Iterable[str] | None = None,
-        destinations: Mapping[str, np.ndarray] | None = None,
+        destinations: Sequence[str] = (),
         checks: Mapping[str, Check] | None = None,
     ):
         tune_allocator()
         self.input_names = list(input_names)
         self.output_names = list(output_names)
-        destinations = dict(destinations or {})
+        self.destinations = list(destinations)
         checks = dict(checks or {})
         missing = missing_kernels(graph.node, opsets)
         if missing:
@@ -133,7 +133,7 @@ class Plan:
         for name in [*self.output_names, *checks]:
             if name not in known:
                 raise ModelCheckError(f"graph output {name!r} is produced by no node, input or initializer")
-        stray = set(destinations) - set(self.output_names)
+        stray = set(self.destinations) - set(self.output_names)
         if stray:
             raise ValueError(f"destinations {sorted(stray)} are not among the plan's outputs")
 
@@ -155,19 +155,21 @@ class Plan:
         writers = {}
         for i, s in enumerate(self.steps):
             for name in s.outputs:
-                if name in destinations and i > after_checks and len(s.outputs) == 1:
-                    writer = inplace.writer(s.node, s.fn, destinations[name])
+                if name in self.destinations and i > after_checks and len(s.outputs) == 1:
+                    writer = inplace.writer(s.node, s.fn)
                     if writer is not None:
                         writers[i] = writer
         self.in_place = sorted(self.steps[i].outputs[0] for i in writers)
         self._constants = dict(constants)
         self._checks = checks
-        self._run = self._compile(writers, destinations)
+        self._run = self._compile(writers)
 
-    def run(self, feeds: Sequence[np.ndarray], *, into: bool = False) -> list[np.ndarray]:
+    def run(self, feeds: Sequence[np.ndarray], *, into: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         run = self._run
         if len(feeds) != len(self.input_names):
             raise InputError(f"the plan takes {len(self.input_names)} feeds ({self.input_names}), got {len(feeds)}")
+        if into is not None and len(into) != len(self.destinations):
+            raise InputError(f"the plan writes {len(self.destinations)} destinations ({self.destinations}), got {len(into)} arrays")
         try:
             return run(feeds, into)
         except OdtError:
@@ -188,9 +190,10 @@ class Plan:
         for key, (i, fn) in self._run.kernels.items():
             self._run.__globals__[key] = fn if wrap is None else wrap(self.steps[i], fn)
 
-    def _compile(self, writers: Mapping[int, Callable], destinations: Mapping[str, np.ndarray]) -> Callable:
+    def _compile(self, writers: Mapping[int, Callable]) -> Callable:
         """The run as one generated function ``run(feeds, into)``: a line per step, so a traceback's
-        line names the step; ``into`` picks the writers and the destination copies."""
+        line names the step; ``into`` (None or the destination arrays) picks the writers and the
+        destination copies."""
         space: dict[str, object] = {"__builtins__": {}, "_copyto": np.copyto}
         local: dict[str, str] = {}  # value name -> the variable holding it now
         fed = set(self.input_names)
@@ -227,12 +230,13 @@ class Plan:
         for i, step in enumerate(self.steps):
             kernels[f"k{i}"] = (i, step.fn)
             fn = f"k{i}"
-            if i in writers:
-                kernels[f"w{i}"] = (i, writers[i])
-                fn = f"(w{i} if into else k{i})"
             args = [ref(n) for n in step.inputs]
             step_inputs.append(args)
             call = f"{fn}({', '.join(args)})"
+            if i in writers:
+                kernels[f"w{i}"] = (i, writers[i])
+                out = f"into[{self.destinations.index(step.outputs[0])}]"
+                call = f"(k{i}({', '.join(args)}) if into is None else w{i}({', '.join(args)}, out={out}))"
             named = [(j, n) for j, n in enumerate(step.outputs) if n]
             if len(step.outputs) == 1 and named:
                 code = f"{bind(named[0][1])} = {call}[0]"
@@ -243,16 +247,15 @@ class Plan:
             lines.append("    " + code)
         results, copies = [], []
         for name in self.output_names:
-            if name in destinations:
-                key = f"d{next(counter)}"
-                space[key] = destinations[name]
+            if name in self.destinations:
+                key = f"into[{self.destinations.index(name)}]"
                 if name not in self.in_place:
                     copies.append(f"_copyto({key}, {ref(name)})")
-                results.append(f"({key} if into else {ref(name)})")
+                results.append(f"({ref(name)} if into is None else {key})")
             else:
                 results.append(ref(name))
         if copies:
-            lines.append(f"    if into: {'; '.join(copies)}")
+            lines.append(f"    if into is not None: {'; '.join(copies)}")
         lines.append(f"    return [{', '.join(results)}]")
         space.update({key: fn for key, (_, fn) in kernels.items()})
         exec(compile("\n".join(lines) + "\n", _CODE_NAME, "exec"), space)  # noqa: S102 - generated from the plan's own steps

@@ -170,40 +170,41 @@ def test_gradients_are_computed_into_their_destinations(tmp_path):
     directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
     plain, info = _training_plan(directory)
     grads = [info.gradients[p] for p in info.trainable]
-    buffers = {g: np.full(plain.run(_feeds(directory, info, *classification_data(4)))[1 + i].shape, np.nan, np.float32)
-               for i, g in enumerate(grads)}
-    plan, _ = _training_plan(directory, destinations=buffers)
+    shapes = [a.shape for a in plain.run(_feeds(directory, info, *classification_data(4)))[1:]]
+    plan, _ = _training_plan(directory, destinations=grads)
     # the weight gradients come from Gemm nodes that write in place; the bias ones are copied
     assert plan.in_place == sorted(info.gradients[p] for p in ("fc0.weight", "fc1.weight"))
     feeds = _feeds(directory, info, *classification_data(16))
     want = plain.run(feeds)
-    got = plan.run(feeds, into=True)
-    for i, g in enumerate(grads):
-        assert got[1 + i] is buffers[g]
-        np.testing.assert_array_equal(buffers[g], want[1 + i], err_msg=g)
-    np.testing.assert_array_equal(got[0], want[0])
-    # without into, the same plan returns fresh arrays and leaves the destinations alone
-    before = {g: b.copy() for g, b in buffers.items()}
+    for order in ("C", "F"):  # destinations of either layout
+        buffers = [np.full(s, np.nan, np.float32, order=order) for s in shapes]
+        got = plan.run(feeds, into=buffers)
+        for i, g in enumerate(grads):
+            assert got[1 + i] is buffers[i]
+            np.testing.assert_array_equal(buffers[i], want[1 + i], err_msg=g)
+        np.testing.assert_array_equal(got[0], want[0])
+    # without destinations, the same plan returns fresh arrays and leaves the last ones alone
+    before = [b.copy() for b in buffers]
     again = plan.run(_feeds(directory, info, *classification_data(16, seed=3)))
-    assert all(np.array_equal(buffers[g], before[g]) for g in grads)
-    assert not all(np.array_equal(again[1 + i], before[g]) for i, g in enumerate(grads))
+    assert all(np.array_equal(b, c) for b, c in zip(buffers, before))
+    assert not all(np.array_equal(again[1 + i], before[i]) for i in range(len(grads)))
 
 
 def test_a_failed_check_stops_the_run_before_any_destination_is_written(tmp_path):
     directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
     plain, info = _training_plan(directory)
     shapes = [a.shape for a in plain.run(_feeds(directory, info, *classification_data(4)))[1:]]
-    buffers = {info.gradients[p]: np.full(s, 7.0, np.float32) for p, s in zip(info.trainable, shapes)}
+    buffers = [np.full(s, 7.0, np.float32) for s in shapes]
     seen = []
 
     def refuse(loss):
         seen.append(float(loss))
         raise TrainingDivergedError("refused")
 
-    plan, _ = _training_plan(directory, destinations=buffers, checks={info.loss: refuse})
+    plan, _ = _training_plan(directory, destinations=[info.gradients[p] for p in info.trainable], checks={info.loss: refuse})
     with pytest.raises(TrainingDivergedError, match="refused"):
-        plan.run(_feeds(directory, info, *classification_data(16)), into=True)
-    assert len(seen) == 1 and all((b == 7.0).all() for b in buffers.values())
+        plan.run(_feeds(directory, info, *classification_data(16)), into=buffers)
+    assert len(seen) == 1 and all((b == 7.0).all() for b in buffers)
 
 
 def test_module_leaves_gradients_untouched_when_the_loss_diverges(tmp_path):
@@ -238,7 +239,7 @@ def test_instrument_wraps_every_kernel_and_undoes_it():
     calls = []
 
     def wrap(step, fn):
-        return lambda *args: (calls.append(step.node.name), fn(*args))[1]
+        return lambda *args, **kwargs: (calls.append(step.node.name), fn(*args, **kwargs))[1]
 
     feeds = [np.ones((2, 3), np.float32), np.ones((3, 4), np.float32)]
     plan.instrument(wrap)
@@ -277,3 +278,55 @@ def test_fusions_can_be_named_or_switched_off(monkeypatch):
     assert squeezes(Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"])) == 1
     with pytest.raises(ValueError, match="unknown fusion"):
         Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], fuse=["no_such_fusion"])
+
+
+def _personal() -> onnx.ModelProto:
+    """784-64 frozen, ReLU, Gemm 10 head trained (transB=1), the benchmark's personalization shape."""
+    return mlp((784, 64, 10))
+
+
+def _train_three_steps(directory, x, y) -> tuple[Module, CheckpointState]:
+    from odt_ops.api import Optimizer
+
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
+    opt = Optimizer(directory / "optimizer_model.onnx", module)
+    for i in range(3):
+        module(x[i::3], y[i::3])
+        module(x[i::3][::-1], y[i::3][::-1])  # accumulated
+        opt.step()
+        module.lazy_reset_grad()
+    return module, state
+
+
+def test_weights_stored_transposed_train_exactly_as_row_major_ones(tmp_path, monkeypatch):
+    """A weight that only enters Gemm as B with transB=1 is stored column by column; the user
+    sees the same values, flat buffers stay row-major per parameter, training is unchanged up to
+    float32 rounding (BLAS may sum a product of a few rows in another order for another layout;
+    SGD keeps those differences at rounding size, where Adam's normalization could magnify them
+    on near-zero gradients)."""
+    import odt_ops.api.module as module_api
+
+    artifacts.generate_artifacts(_personal(), requires_grad=["fc1.*"], frozen_params=["fc0.*"], artifact_directory=tmp_path,
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD)
+    x, y = classification_data(24)
+    module, state = _train_three_steps(tmp_path, x, y)
+    assert module.params.transposed == {"fc1.weight"} and module.frozen.transposed == {"fc0.weight"}
+    assert state.parameters["fc0.weight"].data.flags.f_contiguous and state.parameters["fc1.weight"].grad.flags.f_contiguous
+    monkeypatch.setattr(module_api, "_transposed_weights", lambda graph, names: frozenset())
+    plain, plain_state = _train_three_steps(tmp_path, x, y)
+    assert not plain.params.transposed
+    for name in plain_state.parameters:
+        close = dict(rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(state.parameters[name].data, plain_state.parameters[name].data, **close)
+        if plain_state.parameters[name].grad is not None:
+            np.testing.assert_allclose(state.parameters[name].grad, plain_state.parameters[name].grad, **close)
+    flat = module.get_contiguous_parameters()
+    np.testing.assert_allclose(flat, plain.get_contiguous_parameters(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(flat[: 10 * 64], state.parameters["fc1.weight"].data.ravel())  # row-major
+    module.copy_buffer_to_parameters(flat[::-1].copy(), trainable_only=False)
+    np.testing.assert_array_equal(module.get_contiguous_parameters(), flat[::-1])
+    CheckpointState.save_checkpoint(state, tmp_path / "saved", include_optimizer_state=True)
+    again = CheckpointState.load_checkpoint(tmp_path / "saved")
+    for name in state.parameters:
+        np.testing.assert_array_equal(again.parameters[name].data, state.parameters[name].data, err_msg=name)
