@@ -1,9 +1,12 @@
 """Module: train and eval steps over the training artifacts, as in onnxruntime.training.api.
 
 Parameters live in contiguous buffers (one per dtype) that the CheckpointState's
-arrays are views into, so a step never copies parameters, the optimizer updates the
-whole buffer in one pass, and get_contiguous_parameters is a slice. Gradients
-accumulate the same way until lazy_reset_grad().
+arrays are views into, so a step never copies parameters and the optimizer updates the
+whole buffer in one pass (a weight that only enters Gemm as a transposed B is stored
+transposed there, its gradient and optimizer states alike; get_contiguous_parameters
+and checkpoints still see every parameter row-major). Gradients live in a buffer of
+the same layout: a step after lazy_reset_grad() computes them straight into it, the
+others add theirs until the next reset.
 """
 from __future__ import annotations
 
