@@ -134,3 +134,28 @@ def main(t0: float, import_runtime: Callable[[], dict], load: Callable[[dict], o
         return 1
     report(result)
     return 0
+
+
+class TrainingApiSession:
+    """The training loop both on-device APIs share, call for call (onnxruntime.training.api and
+    odt_ops.api): subclasses set ``self.module`` and ``self.optimizer`` in ``__init__``."""
+
+    def convert(self, x, y):
+        return x, y
+
+    def train_step(self, x, y):
+        if not self.module.training:
+            self.module.train()
+        loss = self.module(x, y)
+        self.optimizer.step()
+        self.module.lazy_reset_grad()
+        return loss
+
+    def eval_step(self, x, y):
+        if self.module.training:
+            self.module.eval()
+        return self.module(x, y)
+
+    @staticmethod
+    def loss(out) -> float:
+        return float(out)

@@ -15,33 +15,13 @@ def import_runtime() -> dict:
     return {"odt_ops": odt_ops.__version__, "numpy": np.__version__}
 
 
-class Session:
+class Session(harness.TrainingApiSession):
     def __init__(self, job: dict):
         art = job["artifacts"]
         state = CheckpointState.load_checkpoint(f"{art}/checkpoint")
         self.module = Module(f"{art}/training_model.onnx", state, f"{art}/eval_model.onnx")
         self.optimizer = Optimizer(f"{art}/optimizer_model.onnx", self.module)
         self.optimizer.set_learning_rate(job["config"]["lr"])
-
-    def convert(self, x, y):
-        return x, y
-
-    def train_step(self, x, y):
-        if not self.module.training:
-            self.module.train()
-        loss = self.module(x, y)
-        self.optimizer.step()
-        self.module.lazy_reset_grad()
-        return loss
-
-    def eval_step(self, x, y):
-        if self.module.training:
-            self.module.eval()
-        return self.module(x, y)
-
-    @staticmethod
-    def loss(out) -> float:
-        return float(out)
 
 
 if __name__ == "__main__":
