@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
@@ -288,6 +288,11 @@ def crops(draw):
     out_w = draw(st.integers(1, 16).filter(lambda v: v != w))
     starts = [draw(st.floats(-0.3, 0.6)) for _ in range(2)]
     ends = [draw(st.floats(0.4, 1.3)) for _ in range(2)]
+    for n_in, n_out, start, end in zip((h, w), (out_h, out_w), starts, ends):
+        # a sample within rounding of the input's edge is inside in float64 and outside in
+        # float32 (onnxruntime and the reference compute the crop in float32): skip the knife edge
+        pos = np.float32(start) * (n_in - 1) + np.arange(n_out) * (np.float32(end) - np.float32(start)) * (n_in - 1) / max(n_out - 1, 1)
+        assume(np.all(np.minimum(np.abs(pos), np.abs(pos - (n_in - 1))) > 1e-4))
     return x, [*x.shape[:2], out_h, out_w], [0.0, 0.0, *starts, 1.0, 1.0, *ends]
 
 
