@@ -205,3 +205,19 @@ def check_gradients(
 
 
 __all__ = ["check_gradients", "compile_model", "make_model", "numeric_gradients", "training_model", "with_projection_loss"]
+
+
+def error_report(errors: dict, label: str):
+    """A module-scoped autouse fixture printing the largest finite-difference error per key
+    (family or op) after the module's tests, even under output capture."""
+    import pytest
+
+    @pytest.fixture(scope="module", autouse=True)
+    def report_errors(request):
+        yield
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if errors and capture is not None:
+            with capture.global_and_fixture_disabled():
+                print(f"\nlargest finite-difference error per {label}: " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(errors.items())))
+
+    return report_errors

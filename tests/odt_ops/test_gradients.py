@@ -15,7 +15,7 @@ from onnx import helper
 
 from odt_ops.errors import GradientError, UnsupportedOpError
 from odt_ops.grad import build_gradients, missing_gradients, registered_gradients
-from tests.odt_ops.gradcheck import check_gradients, make_model, with_projection_loss
+from tests.odt_ops.gradcheck import check_gradients, error_report, make_model, with_projection_loss
 
 SETTINGS = settings(deadline=None, max_examples=8, database=None, suppress_health_check=list(HealthCheck))
 FEW = settings(SETTINGS, max_examples=4)
@@ -23,13 +23,7 @@ FEW = settings(SETTINGS, max_examples=4)
 ERRORS: dict[str, float] = defaultdict(float)  # family -> largest error seen
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_errors(request):
-    yield
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if ERRORS and capture is not None:
-        with capture.global_and_fixture_disabled():
-            print("\nlargest finite-difference error per family: " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(ERRORS.items())))
+report_errors = error_report(ERRORS, "family")
 
 
 def node(op, inputs, outputs=("Y",), **attrs):

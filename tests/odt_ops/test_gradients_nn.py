@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 
 from odt_ops.grad import build_gradients
 from odt_ops.kernels.conv import _geometry, _window_counts
-from tests.odt_ops.gradcheck import (EXECUTORS, check_gradients, compile_model, make_model, numeric_gradients, training_model,
+from tests.odt_ops.gradcheck import (EXECUTORS, error_report, check_gradients, compile_model, make_model, numeric_gradients, training_model,
                                      with_projection_loss)
 
 SETTINGS = settings(deadline=None, max_examples=8, database=None, suppress_health_check=list(HealthCheck))
@@ -27,13 +27,7 @@ FEW = settings(SETTINGS, max_examples=4)
 ERRORS: dict[str, float] = defaultdict(float)  # op -> largest finite-difference error seen
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_errors(request):
-    yield
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if ERRORS and capture is not None:
-        with capture.global_and_fixture_disabled():
-            print("\nlargest finite-difference error per op: " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(ERRORS.items())))
+report_errors = error_report(ERRORS, "op")
 
 
 def build(op, inputs, *, initializers=None, outputs=("Y",), symbolic=("X",), opset=21, **attrs):
