@@ -31,6 +31,7 @@ from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.load import ModelSource, load_model, save_model
 from odt_ops.ir.model import TARGET_IR_VERSION, Model
 from odt_ops.onnxblock import Block, base, loss as losses, optim
+from odt_ops.onnxblock.blocks import PassThrough
 from odt_ops.onnxblock.optim import ParamSlots
 
 
@@ -192,18 +193,12 @@ def generate_artifacts(
 
 def _loss_block(loss: LossType | Block | None) -> Block:
     if loss is None:
-        return losses_passthrough()
+        return PassThrough()
     if isinstance(loss, LossType):
         return _LOSSES[loss]()
     if isinstance(loss, Block):
         return loss
     raise ArtifactError(f"loss must be an odt_ops.artifacts.LossType or an onnxblock.Block, got {type(loss).__name__}")
-
-
-def losses_passthrough() -> Block:
-    from odt_ops.onnxblock.blocks import PassThrough
-
-    return PassThrough()
 
 
 def _optimizer(optimizer: OptimType | optim.Optimizer) -> optim.Optimizer:
@@ -234,7 +229,7 @@ def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_in
     absent = [n for n in (*(loss_input_names or []), *extra) if n not in known]
     if absent:
         raise ArtifactError(f"{absent} are not values of the model; its outputs are {outputs}")
-    loss_inputs = list(loss_input_names) if loss_input_names else (outputs if _takes_all_outputs(loss_block) else outputs[:1])
+    loss_inputs = list(loss_input_names) if loss_input_names else (outputs if loss_block.takes_all_outputs else outputs[:1])
     with base(proto):
         loss_name = loss_block(*loss_inputs)
     if not isinstance(loss_name, str):
@@ -246,11 +241,6 @@ def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_in
     for name in extra:
         graph.output.append(types[name])
     return _inferred(proto)
-
-
-def _takes_all_outputs(block: Block) -> bool:
-    # onnxruntime hands a custom loss block every model output; its own losses take the first
-    return not isinstance(block, (losses.MSELoss, losses.L1Loss, losses.BCEWithLogitsLoss, losses.CrossEntropyLoss)) and type(block).__name__ != "PassThrough"
 
 
 def _training_mode(graph: onnx.GraphProto) -> None:

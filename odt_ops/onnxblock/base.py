@@ -62,6 +62,10 @@ def current_builder() -> GraphBuilder:
 class Block:
     """Subclass and implement ``build(*input_names) -> output name(s)``."""
 
+    # as in onnxruntime, generate_artifacts hands a custom loss block every model output;
+    # the built-in losses and PassThrough say False and take the first
+    takes_all_outputs = True
+
     def build(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} must implement build()")
 

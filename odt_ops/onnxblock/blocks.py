@@ -128,6 +128,8 @@ class Cast(Block):
 class PassThrough(Block):
     """The model output is already the loss."""
 
+    takes_all_outputs = False
+
     def build(self, x: str) -> str:
         return x
 

@@ -29,6 +29,8 @@ def _reduce(x: str, reduction: str) -> str:
 class MSELoss(Block):
     """mean((output - target)^2)"""
 
+    takes_all_outputs = False
+
     def __init__(self, reduction: str = "mean"):
         self.reduction = _check_reduction(reduction)
 
@@ -41,6 +43,8 @@ class MSELoss(Block):
 class L1Loss(Block):
     """mean(|output - target|)"""
 
+    takes_all_outputs = False
+
     def __init__(self, reduction: str = "mean"):
         self.reduction = _check_reduction(reduction)
 
@@ -51,6 +55,8 @@ class L1Loss(Block):
 
 class BCEWithLogitsLoss(Block):
     """w * (pos_weight * y * softplus(-x) + (1 - y) * softplus(x)), torch's stable form."""
+
+    takes_all_outputs = False
 
     def __init__(self, weight=None, reduction: str = "mean", pos_weight=None):
         self.reduction = _check_reduction(reduction)
@@ -73,6 +79,8 @@ class BCEWithLogitsLoss(Block):
 class CrossEntropyLoss(Block):
     """Softmax cross-entropy on class scores [N, C, ...] against int64 labels [N, ...],
     as torch.nn.CrossEntropyLoss: class ``weight``, ``ignore_index``, ``label_smoothing``."""
+
+    takes_all_outputs = False
 
     def __init__(self, weight=None, reduction: str = "mean", ignore_index: int | None = None, label_smoothing: float = 0.0):
         self.reduction = _check_reduction(reduction)
