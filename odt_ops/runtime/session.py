@@ -49,8 +49,8 @@ def _fmt(shape: Sequence[object]) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
-def _owned(result: np.ndarray, feeds: Sequence[np.ndarray]) -> np.ndarray:
-    """Outputs that are views of a feed or a weight (Identity, Reshape, Expand...) are copied,
+def _owned(result: np.ndarray) -> np.ndarray:
+    """Outputs that may be views of a feed or a weight (Identity, Reshape, Expand...) are copied,
     so a caller writing into an output never changes its input or the model."""
     if isinstance(result, np.generic):  # numpy ufuncs turn 0-d results into scalars
         return np.asarray(result)
@@ -92,7 +92,7 @@ class InferenceSession:
         if missing:
             raise InputError(f"missing input(s) {missing}; the model's inputs are {self.input_names()}")
         inputs = [spec.check(feeds[spec.name]) for spec in self.inputs]
-        results = [_owned(r, inputs) for r in self._plan.run(inputs)]
+        results = [_owned(r) for r in self._plan.run(inputs)]
         if output_names is None:
             return results
         index = {n: i for i, n in enumerate(self.output_names())}
