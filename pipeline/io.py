@@ -27,7 +27,6 @@ from pipeline.errors import DataError
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
-    os.chmod(path, 0o666 & ~_umask())  # odt_ops' temp files are 0600 (mkstemp): make it an ordinary file
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
