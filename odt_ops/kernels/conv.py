@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
-from odt_ops.kernels.reduce import _sum
+from odt_ops.kernels.reduce import sum_along
 from odt_ops.kernels.registry import kernel
 
 _AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
@@ -730,7 +730,7 @@ def global_average_pool(X):
     _spatial_input(X, "GlobalAveragePool")
     if X.dtype not in (np.float32, np.float64):
         return (X.mean(axis=tuple(range(2, X.ndim)), keepdims=True),)
-    total = _sum(X, tuple(range(2, X.ndim)), True)  # gemv over the planes where that is faster
+    total = sum_along(X, tuple(range(2, X.ndim)), True)  # gemv over the planes where that is faster
     total *= X.dtype.type(1 / math.prod(X.shape[2:]))
     return (total,)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from odt_ops.kernels.reduce import log_softmax_along
+from odt_ops.kernels.reduce import log_softmax_along, max_along, sum_along
 from odt_ops.kernels.registry import kernel
 
 REDUCTIONS = ("none", "sum", "mean")
@@ -74,9 +74,8 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
         return _weighted_loss(_pick(log_prob, labels), labels, keep, weights, reduction), log_prob
     # without the log_prob output only the picked entries are needed:
     # log p[c] = (x[c] - max) - log(sum(exp(x - max)))
-    shift = np.maximum.reduce(scores, axis=1, keepdims=True)
-    tmp = scores - shift
+    tmp = scores - max_along(scores, 1)
     picked = _pick(tmp, labels)
     np.exp(tmp, out=tmp)
-    picked -= np.log(np.add.reduce(tmp, axis=1))
+    picked -= np.log(sum_along(tmp, (1,), False))
     return (_weighted_loss(picked, labels, keep, weights, reduction),)
