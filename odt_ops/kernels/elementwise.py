@@ -359,6 +359,11 @@ def relu(X):
     return (_with_scalar(np.maximum, X, X.dtype.type(0)),)
 
 
+def relu_in_place(X: np.ndarray) -> np.ndarray:
+    """The Relu kernel's values written over X (an array its caller owns and no one else reads)."""
+    return _with_scalar(np.maximum, X, X.dtype.type(0), out=X)
+
+
 @kernel("LeakyRelu", since=6)
 @_half_in_float32
 def leaky_relu(X, *, alpha=0.01):

@@ -21,6 +21,8 @@ import onnx
 
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
+from odt_ops.kernels.elementwise import relu_in_place
+from odt_ops.kernels.loss import label_positions
 
 DOMAIN = "odt_ops.fused"
 STANDARD = ("", "ai.onnx")
@@ -239,8 +241,9 @@ def _take_one_at(grad: np.ndarray, indices: np.ndarray, depth: np.ndarray, check
     if not checked and (indices.min() < 0 or indices.max() >= grad.shape[1]):
         return False
     one = grad.dtype.type(1)
-    if grad.ndim == 2:
-        grad[np.arange(indices.shape[0]), indices] -= one
+    if grad.ndim == 2 and grad.flags.c_contiguous:
+        flat, at = grad.reshape(-1), label_positions(grad, indices)
+        flat[at] = flat.take(at) - one
     else:
         at = np.expand_dims(indices, 1)
         np.put_along_axis(grad, at, np.take_along_axis(grad, at, 1) - one, 1)
@@ -433,3 +436,35 @@ def _zero_unless(keep: np.ndarray, values: np.ndarray) -> np.ndarray:
         return np.where(keep, values, values.dtype.type(0))
     mask = np.negative(keep.view(np.int8), dtype=bits)  # True (1) -> -1: every bit set
     return np.bitwise_and(mask, values.view(bits), out=mask).view(values.dtype)
+
+
+# ---------------------------------------------------------------- ReLU of a product
+
+
+_FRESH_PRODUCTS = ("Gemm", "MatMul")  # their kernels always return a new array
+
+
+@fusion("relu_in_place")
+def _relu_of_product(g: Graph) -> bool:
+    """Relu whose input is a Gemm or MatMul product nothing else reads -> one node that applies the
+    ReLU over the product in place (no second array of the layer's size, no pass into fresh memory)."""
+    changed = False
+    for relu in [n for n in g.nodes if n.op_type == "Relu" and n.domain in STANDARD]:
+        product = next((p for op in _FRESH_PRODUCTS if (p := g.producer(relu.input[0], op))), None)
+        if product is None or g.sole_reader(product.output[0], "Relu") is not relu:
+            continue
+        fused = _fused_node(f"{product.op_type}Relu", product.input, relu.output, f"fused/{product.name or product.output[0]}",
+                            **node_attributes(product))
+        changed = g.replace([product, relu], fused) or changed
+    return changed
+
+
+def _then_relu(op_type: str) -> Factory:
+    def factory(attrs: dict, opset: int) -> Callable[..., tuple]:
+        product = _kernel(op_type, opset, **attrs)
+        return lambda *args: (relu_in_place(product(*args)[0]),)
+    return factory
+
+
+for _op in _FRESH_PRODUCTS:
+    fused_op(f"{_op}Relu")(_then_relu(_op))
