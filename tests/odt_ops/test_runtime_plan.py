@@ -61,7 +61,7 @@ def test_mlp_fused_plan_equals_the_graph_as_written(tmp_path):
     directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
     x, y = classification_data(16)
     fused = _assert_fused_equals_unfused(directory, x, y)
-    assert Counter(fused.fusions) == {"SoftmaxCrossEntropyLossGrad": 1, "GemmRelu": 1}
+    assert Counter(fused.fusions) == {"SoftmaxCrossEntropyLossGrad": 1, "GemmRelu": 1, "DivideBySize": 1}
     # both bias gradients lost their Squeeze: ReduceSum(keepdims=0) in its place
     assert not any(s.node.op_type == "Squeeze" for s in fused.steps)
 
@@ -70,7 +70,8 @@ def test_mlp_fused_plan_equals_the_graph_as_written(tmp_path):
 def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
     directory = _generate(tmp_path, cnn(batchnorm=batchnorm), trainable=["conv*", "fc*", *(["bn1.weight", "bn1.bias"] if batchnorm else [])])
     fused = _assert_fused_equals_unfused(directory, *_cnn_data(8))
-    assert Counter(fused.fusions) == {"ScatterIntoZeros": 2, "SoftmaxCrossEntropyLossGrad": 1, "StackedSlices": 2}
+    assert Counter(fused.fusions) == {"ScatterIntoZeros": 2, "SoftmaxCrossEntropyLossGrad": 1, "StackedSlices": 2,
+                                     "DivideBySize": 2 if batchnorm else 1}
     # both MaxPool gradients scatter only where the ReLU before the pool let the value through
     assert [len(s.node.input) for s in fused.steps if s.node.op_type == "ScatterIntoZeros"] == [4, 4]
     assert not any(s.node.op_type in ("Greater", "Where", "ConstantOfShape", "ScatterElements") for s in fused.steps)
@@ -137,7 +138,7 @@ def test_conv_weight_gradient_taps_with_strides_dilations_and_pads(tmp_path, con
     directory = _generate(tmp_path, model, loss=artifacts.LossType.MSELoss, trainable=["conv.weight"])
     x = rng.standard_normal((3, 2, 11, 10)).astype(np.float32)
     fused = _assert_fused_equals_unfused(directory, x, rng.standard_normal(3).astype(np.float32))
-    assert fused.fusions == ["StackedSlices"]
+    assert sorted(fused.fusions) == ["DivideBySize", "StackedSlices"]  # the mean loss divides by the batch size
 
 
 CROSS_ENTROPY = {
