@@ -180,6 +180,46 @@ def atan(input):
     return (np.arctan(input),)
 
 
+@kernel("Tan", since=7)
+def tan(input):
+    return (np.tan(input),)
+
+
+@kernel("Asin", since=7)
+def asin(input):
+    return (np.arcsin(input),)
+
+
+@kernel("Acos", since=7)
+def acos(input):
+    return (np.arccos(input),)
+
+
+@kernel("Sinh", since=9)
+def sinh(input):
+    return (np.sinh(input),)
+
+
+@kernel("Cosh", since=9)
+def cosh(input):
+    return (np.cosh(input),)
+
+
+@kernel("Asinh", since=9)
+def asinh(input):
+    return (np.arcsinh(input),)
+
+
+@kernel("Acosh", since=9)
+def acosh(input):
+    return (np.arccosh(input),)
+
+
+@kernel("Atanh", since=9)
+def atanh(input):
+    return (np.arctanh(input),)
+
+
 @kernel("Tanh", since=6)
 def tanh(input):
     return (np.tanh(input),)
@@ -334,6 +374,15 @@ def sigmoid(X):
 @_half_in_float32
 def softplus(X):
     return (_softplus(X),)
+
+
+@kernel("Shrink", since=9)
+def shrink(input, *, bias=0.0, lambd=0.5):  # noqa: A002 - the spec's name
+    X = input
+    # compared and shifted as the float attributes are, then brought back to X's type
+    # (integer inputs too: the spec allows every numeric type)
+    shifted = np.where(X < -lambd, X + bias, np.where(X > lambd, X - bias, 0))
+    return (shifted.astype(X.dtype, copy=False),)
 
 
 @kernel("Softsign", since=1)

@@ -396,6 +396,19 @@ def top_k(X, K, *, axis=-1, largest=1, sorted=1):  # noqa: A002 - the spec's nam
     return _top_k(X, _scalar_int(K, "TopK's K"), axis, largest)
 
 
+@kernel("LpNormalization", since=1)
+def lp_normalization(input, *, axis=-1, p=2):  # noqa: A002
+    if p not in (1, 2):
+        raise ValueError(f"LpNormalization is defined for p = 1 or 2, got p={p}")
+    X, axis = input, _normalize_axis(axis, input.ndim)
+    norm = _l2(X, (axis,), True) if p == 2 else _l1(X, (axis,), True)
+    # a zero vector stays zero (as onnx.reference and onnxruntime return it) instead of 0/0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.divide(X, norm)
+    out[np.broadcast_to(norm == 0, out.shape)] = 0
+    return (out.astype(X.dtype, copy=False),)
+
+
 # ---------------------------------------------------------------------------- softmax family
 # Opset 13 normalizes along one axis. Before it the input is coerced to 2-D at axis:
 # [a_0 * ... * a_{axis-1}, a_axis * ... * a_{n-1}], and the second dimension is normalized.

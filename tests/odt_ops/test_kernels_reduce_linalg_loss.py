@@ -315,3 +315,32 @@ def test_softmax_family(op, seed, shape, axis, opset):
     if op == "Hardmax":
         x = x.round()  # ties: the first maximum wins
     check(op, {"input": x}, dict(axis=axis % len(shape)), opset=opset, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_lp_normalization_keeps_zero_vectors_zero(p, axis):
+    # onnx.reference sums x**p (not |x|**p) for p = 1, so onnxruntime is the oracle here
+    x = rand(np.random.default_rng(p), (3, 4, 5))
+    x[1, 2, :] = 0
+    x[0, :, 1] = 0
+    x[:, 0, 0] = 0
+    got = check("LpNormalization", {"x": x}, {"axis": axis, "p": p}, opset=21)
+    assert np.isfinite(got[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+def test_shrink_of_every_numeric_type(dtype):
+    x = np.arange(-6, 7).astype(dtype) / (1 if np.dtype(dtype).kind == "i" else 2)
+    check("Shrink", {"x": x.astype(dtype)}, {"bias": 1.5, "lambd": 1.5}, opset=21)
+
+
+@given(seed=seeds, rows=st.integers(1, 300), cols=st.integers(1, 40), axis=st.sampled_from([0, 1, -1]),
+       dtype=st.sampled_from([np.float32, np.float64]))
+@SETTINGS
+def test_sums_over_rows_and_down_columns(seed, rows, cols, axis, dtype):
+    # the gemv paths (short rows of a softmax, a bias gradient's batch) against onnxruntime's sums
+    x = rand(np.random.default_rng(seed), (rows, cols), dtype)
+    check("ReduceSum", {"x": x, "axes": np.array([axis], np.int64)}, {"keepdims": 1}, opset=13, rtol=1e-5, atol=1e-5)
+    check("Softmax", {"x": x}, {"axis": axis}, opset=13)
+    check("LogSoftmax", {"x": x}, {"axis": axis}, opset=13, atol=1e-5)

@@ -331,3 +331,20 @@ def test_weights_stored_transposed_train_exactly_as_row_major_ones(tmp_path, mon
     again = CheckpointState.load_checkpoint(tmp_path / "saved")
     for name in state.parameters:
         np.testing.assert_array_equal(again.parameters[name].data, state.parameters[name].data, err_msg=name)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_relu_runs_in_place_only_on_a_product_nothing_else_reads(shared):
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((6, 4)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Relu", ["p"], ["r"])]
+    # with the product also read by an Add, an in-place ReLU would change what the Add sees
+    nodes.append(helper.make_node("Add", ["p", "r"] if shared else ["r", "r"], ["out"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 6])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", 4])])
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+    plans = [Plan(graph, {"": 21}, {"w": w}, ["x"], ["out"], fuse=fuse) for fuse in (True, False)]
+    assert plans[0].fusions == ([] if shared else ["MatMulRelu"])
+    np.testing.assert_array_equal(plans[0].run([x])[0], plans[1].run([x])[0])
+    p = x @ w
+    np.testing.assert_allclose(plans[0].run([x])[0], p + np.maximum(p, 0) if shared else 2 * np.maximum(p, 0), rtol=1e-6)
