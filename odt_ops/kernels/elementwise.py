@@ -37,7 +37,9 @@ def _with_scalar(ufunc: np.ufunc, X: np.ndarray, c, out: np.ndarray | None = Non
         return ufunc(X, c, out=out)
     flat = X.reshape(-1)
     res = np.empty_like(flat) if out is None else out.reshape(-1)
-    row = _constant_row(X.dtype, np.asarray(c, dtype=X.dtype).item())  # a hashable Python number, exact
+    # keyed by the bits: -0.0 == 0.0 and NaN != NaN would make a key of the value itself hit
+    # the wrong row or never hit
+    row = _constant_row(X.dtype, np.asarray(c, dtype=X.dtype).tobytes())
     body = n - n % _RUN
     if body:
         ufunc(flat[:body].reshape(-1, _RUN), row, out=res[:body].reshape(-1, _RUN))
@@ -46,9 +48,9 @@ def _with_scalar(ufunc: np.ufunc, X: np.ndarray, c, out: np.ndarray | None = Non
 
 
 @functools.lru_cache(maxsize=32)
-def _constant_row(dtype: np.dtype, c) -> np.ndarray:
+def _constant_row(dtype: np.dtype, bits: bytes) -> np.ndarray:
     # filling 64 KiB on every call cost a fifth of a ReLU of 256x128
-    row = np.full(_RUN, c, dtype=dtype)
+    row = np.full(_RUN, np.frombuffer(bits, dtype=dtype)[0], dtype=dtype)
     row.flags.writeable = False
     return row
 

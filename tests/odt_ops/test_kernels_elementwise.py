@@ -248,7 +248,10 @@ def test_max_min_against_a_scalar_are_bit_identical_to_numpy(dtype, n):
     for shape in [(n,), (1, n, 1)]:
         A = X.reshape(shape)
         low = 1 if dtype.kind == "u" else -1
-        for ufunc, c in [(np.maximum, 0), (np.minimum, 0), (np.maximum, low), (np.minimum, 6)]:
+        # -0.0 after 0.0 and NaN twice: the cached constant rows must not mistake one for another
+        signed = [(np.maximum, 0.0), (np.maximum, -0.0), (np.minimum, -0.0), (np.maximum, np.nan), (np.maximum, np.nan)] \
+            if dtype.kind in "fV" else []
+        for ufunc, c in [(np.maximum, 0), (np.minimum, 0), (np.maximum, low), (np.minimum, 6), *signed]:
             want = ufunc(A, dtype.type(c))
             got = _with_scalar(ufunc, A, dtype.type(c))
             assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
