@@ -461,8 +461,14 @@ def _relu_of_product(g: Graph) -> bool:
 
 def _then_relu(op_type: str) -> Factory:
     def factory(attrs: dict, opset: int) -> Callable[..., tuple]:
-        product = _kernel(op_type, opset, **attrs)
-        return lambda *args: (relu_in_place(product(*args)[0]),)
+        product, relu = _kernel(op_type, opset, **attrs), _kernel("Relu", opset)
+
+        def run(*args):
+            y = product(*args)[0]
+            # a product of two vectors comes back from numpy as a scalar, which has no memory to reuse
+            return (relu_in_place(y),) if isinstance(y, np.ndarray) else relu(y)
+
+        return run
     return factory
 
 

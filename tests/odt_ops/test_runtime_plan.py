@@ -348,3 +348,17 @@ def test_relu_runs_in_place_only_on_a_product_nothing_else_reads(shared):
     np.testing.assert_array_equal(plans[0].run([x])[0], plans[1].run([x])[0])
     p = x @ w
     np.testing.assert_allclose(plans[0].run([x])[0], p + np.maximum(p, 0) if shared else 2 * np.maximum(p, 0), rtol=1e-6)
+
+
+def test_relu_of_a_vector_product_is_fused_too():
+    # MatMul of two vectors is a 0-d product: numpy returns it as a scalar, not an array
+    rng = np.random.default_rng(6)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Relu", ["p"], ["out"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])])
+    w = rng.standard_normal(6).astype(np.float32)
+    plan = Plan(graph, {"": 21}, {"w": w}, ["x"], ["out"], fuse=True)
+    assert plan.fusions == ["MatMulRelu"]
+    for x in (w, -w):
+        got = np.asarray(plan.run([x])[0])
+        assert got.shape == () and got == max(np.float32(x @ w), np.float32(0))
