@@ -21,6 +21,7 @@ from odt_ops.checkpoint import Checkpoint, load_checkpoint
 from odt_ops.errors import ArtifactError, OdtError
 from odt_ops.ir.load import read_model, save_model
 from odt_ops.ir.model import TARGET_IR_VERSION
+from odt_ops.ir.modes import set_inference_mode
 from odt_ops.ir.passes import prune_unused
 from odt_ops.tensorfile import read_tensor_file, write_tensor_file
 
@@ -42,12 +43,13 @@ def export_inference_model(eval_model, checkpoint: Checkpoint, path: str | os.Pa
     info = meta.read(proto, source.source)
     wanted = list(graph_output_names or info.inference_outputs)
     graph = proto.graph
+    set_inference_mode(graph)  # also for eval models written before the eval graph was put in inference mode
     types = {v.name: v for v in (*graph.value_info, *graph.output, *graph.input)}
     missing = [n for n in wanted if n not in types and not any(n in node.output for node in graph.node)]
     if missing:
         raise ArtifactError(f"{missing} are not values of the eval model; the original outputs are {info.inference_outputs}")
     weights = {**checkpoint.parameters, **checkpoint.buffers}
-    absent = [n for n in (*info.parameters, *info.buffers) if n not in weights or (weights[n].size == 0 and checkpoint.nominal)]
+    absent = [n for n in (*info.parameters, *info.buffers) if n not in weights or n in checkpoint.missing]
     if absent:
         raise ArtifactError(f"the checkpoint has no values for {absent}; load the weights (copy_buffer_to_parameters) first")
     baked = set(info.parameters) | set(info.buffers)

@@ -68,6 +68,7 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
         passes.complete_output_types(model)
         _check(model, full=False)
         if target_opset is not None and model.opset != target_opset:
+            passes.drop_saved_batch_statistics(model)
             _convert(model, target_opset)
     # IR >= 4 lets initializers be plain constants (IR 3 typed them only as graph inputs)
     model.proto.ir_version = ir_version_for(model.opset)

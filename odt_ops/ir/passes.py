@@ -24,6 +24,31 @@ def initializers_not_inputs(model: Model) -> bool:
     return True
 
 
+def drop_saved_batch_statistics(model: Model) -> bool:
+    """BatchNormalization below opset 14 says it trains by having more than one output: the
+    updated running statistics and the batch's mean and inverse deviation (outputs 4 and 5,
+    a cache for training backends). Opset 14 has no outputs 4 and 5, onnx's converter aborts
+    on them, and its adapter keeps the node in inference mode, which then has one output.
+    Exporters leave all four unread, and the artifacts choose each graph's mode themselves
+    (odt_ops.ir.modes): drop them before conversion."""
+    if model.opset >= 14:
+        return False
+    read = {n for node in model.graph.node for n in node.input} | {o.name for o in model.graph.output}
+    changed = False
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or len(node.output) <= 1:
+            continue
+        used = [n for n in node.output[1:] if n and n in read]
+        if used:
+            raise ModelCheckError(
+                f"{model.source}: BatchNormalization {node.name!r} feeds its training outputs {used} to other nodes, "
+                "which onnx cannot convert to opset 14. Re-export the model at opset 14 or later"
+            )
+        del node.output[1:]
+        changed = True
+    return changed
+
+
 def inline_constant_nodes(model: Model) -> bool:
     """Constant nodes become initializers (they are weights in all but name)."""
     initializers_not_inputs(model)
