@@ -30,6 +30,7 @@ from odt_ops.grad.build import build_gradients, missing_gradients
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.load import ModelSource, load_model, save_model
 from odt_ops.ir.model import TARGET_IR_VERSION, Model
+from odt_ops.ir.modes import set_inference_mode, set_training_mode
 from odt_ops.onnxblock import Block, base, loss as losses, optim
 from odt_ops.onnxblock.blocks import PassThrough
 from odt_ops.onnxblock.optim import ParamSlots
@@ -184,8 +185,7 @@ def generate_artifacts(
     paths["checkpoint"] = out_dir / f"{prefix}checkpoint"
     save_checkpoint(ckpt, paths["checkpoint"])
     if nominal_checkpoint:
-        ckpt.nominal = True
-        ckpt.specs = {n: (tuple(a.shape), a.dtype.str) for n, a in (*ckpt.parameters.items(), *ckpt.buffers.items())}
+        ckpt.make_nominal()
         paths["nominal_checkpoint"] = out_dir / f"{prefix}nominal_checkpoint"
         save_checkpoint(ckpt, paths["nominal_checkpoint"])
     return paths
@@ -223,7 +223,9 @@ def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_in
         t = moved[name]
         graph.input.append(helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
     if training:
-        _training_mode(graph)
+        set_training_mode(graph)
+    else:
+        set_inference_mode(graph)
     outputs = [o.name for o in graph.output]
     known = outputs + [v.name for v in graph.value_info]
     absent = [n for n in (*(loss_input_names or []), *extra) if n not in known]
@@ -241,28 +243,6 @@ def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_in
     for name in extra:
         graph.output.append(types[name])
     return _inferred(proto)
-
-
-def _training_mode(graph: onnx.GraphProto) -> None:
-    """Dropout draws masks and BatchNormalization uses batch statistics while training."""
-    true = "odt/training_mode"
-    needs_true = False
-    for node in graph.node:
-        if node.op_type == "Dropout":
-            ins = list(node.input) + [""] * (3 - len(node.input))
-            ins[2] = true
-            del node.input[:]
-            node.input.extend(ins)
-            needs_true = True
-        elif node.op_type == "BatchNormalization":
-            for a in node.attribute:
-                if a.name == "training_mode":
-                    a.i = 1
-                    break
-            else:
-                node.attribute.append(helper.make_attribute("training_mode", 1))
-    if needs_true:
-        graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), true))
 
 
 def _add_gradients(proto: onnx.ModelProto, loss_name: str, split: ParameterSplit) -> dict[str, str]:

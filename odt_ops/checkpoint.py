@@ -3,7 +3,8 @@
 Format (version 1): a tensor file (see ``tensorfile``: uncompressed npz + JSON
 manifest, CRC-checked, memory-mapped, no pickle, atomic writes) whose manifest maps
 tensors to parameter, buffer and optimizer-state names and carries the optimizer's
-scalars and the property bag.
+scalars, the property bag (the user's alone) and the engine's own state (the Dropout
+generator), kept apart so user code that walks the properties sees only its own.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ FORMAT_VERSION = 1
 
 Property = int | float | str
 
+ENGINE_RNG = "rng_state"  # Dropout's generator, so a resumed run draws the same masks
+LEGACY_ENGINE_PROPERTIES = {"odt.rng_state": ENGINE_RNG}  # where files of earlier versions kept it
+
 
 @dataclass
 class OptimizerState:
@@ -37,9 +41,9 @@ class OptimizerState:
 class Checkpoint:
     """Parameters (trainable and frozen), buffers, optimizer state and a property bag.
 
-    A nominal checkpoint has names, shapes and dtypes only: its arrays are zero-size
-    placeholders described by ``specs`` and must be filled (copy_buffer_to_parameters)
-    before training.
+    A nominal checkpoint has the parameters' names, shapes and dtypes only: the names in
+    ``missing`` hold zero-size placeholders described by ``specs`` and must be filled
+    (copy_buffer_to_parameters) before training. Buffers always hold values.
     """
 
     parameters: dict[str, np.ndarray] = field(default_factory=dict)
@@ -47,8 +51,23 @@ class Checkpoint:
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     optimizer: OptimizerState | None = None
     properties: dict[str, Property] = field(default_factory=dict)
-    nominal: bool = False
-    specs: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # nominal only
+    missing: set[str] = field(default_factory=set)  # names without values (a nominal checkpoint's)
+    specs: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # of the missing names
+    engine: dict[str, str] = field(default_factory=dict)  # the engine's state, e.g. the Dropout generator
+
+    @property
+    def nominal(self) -> bool:
+        return bool(self.missing)
+
+    def fill(self, name: str) -> None:
+        """``name`` now holds its values (copied into a nominal checkpoint's placeholder)."""
+        self.missing.discard(name)
+        self.specs.pop(name, None)
+
+    def make_nominal(self) -> None:
+        """Drop every parameter's values, keeping names, shapes and dtypes."""
+        self.specs = {n: (tuple(a.shape), a.dtype.str) for n, a in self.parameters.items()}
+        self.missing = set(self.parameters)
 
     def trainable_names(self) -> list[str]:
         return [n for n in self.parameters if self.requires_grad.get(n, False)]
@@ -67,10 +86,16 @@ class Checkpoint:
 def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike, *, include_optimizer_state: bool = True) -> None:
     """Write ``checkpoint`` to ``path`` atomically."""
     _check_properties(checkpoint.properties, str(path))
+    filled = [n for n in checkpoint.parameters if n not in checkpoint.missing]
+    if checkpoint.missing and filled:  # a nominal file would drop the filled values, a full one would hold zeros
+        raise CheckpointError(
+            f"{path}: not saved: {sorted(checkpoint.missing)} still have no values while {filled} do. Fill every "
+            "parameter first (module.copy_buffer_to_parameters(buffer, trainable_only=False))"
+        )
 
     def tensor(name: str, meta: dict, array: np.ndarray) -> tuple[dict, np.ndarray]:
         entry = {"name": name, **meta}
-        if checkpoint.nominal and meta["kind"] != "optimizer":
+        if name in checkpoint.missing and meta["kind"] != "optimizer":
             shape, dtype = checkpoint.spec(name)
             entry["spec"] = {"shape": list(shape), "dtype": np.dtype(dtype).str}
             array = np.zeros(0, dtype=dtype)
@@ -84,15 +109,20 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike, *, include_
         opt = checkpoint.optimizer
         optimizer = {"step": int(opt.step), "learning_rate": float(opt.learning_rate), "initial_learning_rate": float(opt.initial_learning_rate)}
         tensors += [({"name": p, "kind": "optimizer", "state": s}, a) for p, states in opt.states.items() for s, a in states.items()]
-    header = {"nominal": checkpoint.nominal, "optimizer": optimizer, "properties": checkpoint.properties}
+    header = {"nominal": checkpoint.nominal, "optimizer": optimizer, "properties": checkpoint.properties,
+              "engine": checkpoint.engine}
     write_tensor_file(path, FORMAT, FORMAT_VERSION, header, tensors, CheckpointError)
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read a checkpoint, verifying every member; tensors are memory-mapped read-only."""
     manifest, tensors = read_tensor_file(path, FORMAT, FORMAT_VERSION, CheckpointError, "checkpoint")
-    ckpt = Checkpoint(properties=dict(manifest.get("properties") or {}), nominal=bool(manifest.get("nominal")))
+    ckpt = Checkpoint(properties=_mapping(manifest, "properties", path), engine=_mapping(manifest, "engine", path))
     _check_properties(ckpt.properties, str(path))
+    _check_engine(ckpt.engine, str(path))
+    for key, engine_key in LEGACY_ENGINE_PROPERTIES.items():  # files of earlier releases kept it among the user's
+        if key in ckpt.properties:
+            ckpt.engine.setdefault(engine_key, str(ckpt.properties.pop(key)))
     opt = manifest.get("optimizer")
     if opt is not None:
         ckpt.optimizer = OptimizerState(int(opt["step"]), float(opt["learning_rate"]), float(opt["initial_learning_rate"]))
@@ -100,6 +130,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         name, kind = entry["name"], entry.get("kind")
         if "spec" in entry:
             ckpt.specs[name] = (tuple(entry["spec"]["shape"]), np.dtype(entry["spec"]["dtype"]).str)
+            ckpt.missing.add(name)
         if kind == "parameter":
             ckpt.parameters[name] = array
             ckpt.requires_grad[name] = bool(entry.get("requires_grad"))
@@ -110,6 +141,19 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         else:
             raise CheckpointError(f"{path}: tensor {name!r} has unexpected kind {kind!r}")
     return ckpt
+
+
+def _mapping(manifest: Mapping, key: str, path) -> dict:
+    value = manifest.get(key) or {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: the manifest's {key!r} is a {type(value).__name__}, not a mapping; the file is damaged")
+    return dict(value)
+
+
+def _check_engine(engine: Mapping[str, object], where: str) -> None:
+    bad = {k: v for k, v in engine.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise CheckpointError(f"{where}: engine state {sorted(map(str, bad))} is not text; the file is damaged")
 
 
 def _check_properties(properties: Mapping[str, object], where: str) -> None:

@@ -35,7 +35,8 @@ def write_tensor_file(path: str | os.PathLike, fmt: str, version: int, header: d
                 raise error(f"{path}: tensor {entry.get('name')!r} has dtype object; only numeric arrays are stored")
             key = f"t{i}"
             with zf.open(_member(f"{key}.npy"), "w", force_zip64=array.nbytes > 2**31) as f:
-                np.lib.format.write_array(f, np.ascontiguousarray(array), allow_pickle=False)
+                # not np.ascontiguousarray: it turns a 0-d array (a scalar parameter) into shape [1]
+                np.lib.format.write_array(f, np.array(array, order="C", copy=not array.flags.c_contiguous), allow_pickle=False)
             entries.append({"key": key, "shape": list(array.shape), "dtype": array.dtype.str, **entry})
         manifest = {"format": fmt, "format_version": version, **header, "tensors": entries}
         zf.writestr(_member(MANIFEST), json.dumps(manifest, indent=1))
@@ -100,4 +101,5 @@ def _map_member(path: Path, info: zipfile.ZipInfo, entry: dict, error: type[OdtE
         raise error(f"{path}: tensor {name!r}: stored {dtype}{list(shape)} disagrees with the manifest")
     if int(np.prod(shape)) == 0:
         return np.zeros(shape, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape), order="F" if fortran else "C")
+    mapped = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape) or (1,), order="F" if fortran else "C")
+    return mapped if shape else mapped.reshape(())  # numpy maps no 0-d files

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -47,35 +47,71 @@ class Parameter:
         return f"Parameter(name={self.name!r}, shape={list(shape)}, dtype={dtype}, requires_grad={self.requires_grad})"
 
 
-class Parameters(MutableMapping):
-    """Dict-like view of a state's parameters: ``state.parameters["fc.weight"].data``."""
+class _PairView:
+    """A read-write view of named entries that iterates as ONNX Runtime's does: ``for name, value in view``.
+    ``keys()``, ``values()``, ``items()`` and ``get()`` give the dict idioms."""
+
+    def _names(self) -> list[str]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[tuple[str, object]]:
+        for name in self._names():
+            yield name, self[name]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def keys(self) -> list[str]:
+        return self._names()
+
+    def values(self) -> list:
+        return [self[n] for n in self._names()]
+
+    def items(self) -> list[tuple[str, object]]:
+        return list(self)
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
+
+
+class Parameters(_PairView):
+    """The state's parameters: ``state.parameters["fc.weight"].data``; iterating yields
+    ``(name, Parameter)`` pairs, as ONNX Runtime's does."""
 
     def __init__(self, state: "CheckpointState"):
         self._state = state
 
+    def _names(self) -> list[str]:
+        return list(self._state._checkpoint.parameters)
+
     def __getitem__(self, name: str) -> Parameter:
-        if name not in self._state._checkpoint.parameters:
-            raise KeyError(f"no parameter {name!r}; the parameters are {list(self._state._checkpoint.parameters)}")
+        ckpt = self._state._checkpoint
+        if name not in ckpt.parameters:
+            raise KeyError(f"no parameter {name!r}; the parameters are {list(ckpt.parameters)}")
+        if name in ckpt.missing:
+            raise CheckpointError(f"{self._state._source}: {name!r} has no values in this nominal checkpoint. Please load the "
+                                  "parameter states first (module.copy_buffer_to_parameters(buffer, trainable_only=False))")
         return Parameter(self._state, name)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
+        if name in self._state._checkpoint.missing:
+            raise CheckpointError(f"{self._state._source}: cannot set {name!r} of a nominal checkpoint one by one. Please load "
+                                  "all the parameter states first (module.copy_buffer_to_parameters(buffer, trainable_only=False))")
         self[name].data = value
 
-    def __delitem__(self, name: str) -> None:
-        raise CheckpointError("parameters cannot be removed from a checkpoint state")
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._state._checkpoint.parameters)
-
-    def __len__(self) -> int:
-        return len(self._state._checkpoint.parameters)
-
-
-class Properties(MutableMapping):
-    """The property bag: str keys, int/float/str values, saved with the checkpoint."""
+class Properties(_PairView):
+    """The property bag: str keys, int/float/str values, saved with the checkpoint; iterating
+    yields ``(key, value)`` pairs, as ONNX Runtime's does."""
 
     def __init__(self, state: "CheckpointState"):
         self._props = state._checkpoint.properties
+
+    def _names(self) -> list[str]:
+        return list(self._props)
 
     def __getitem__(self, key: str) -> Property:
         return self._props[key]
@@ -87,12 +123,6 @@ class Properties(MutableMapping):
 
     def __delitem__(self, key: str) -> None:
         del self._props[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._props)
-
-    def __len__(self) -> int:
-        return len(self._props)
 
 
 class CheckpointState:
@@ -121,6 +151,19 @@ class CheckpointState:
     @property
     def properties(self) -> Properties:
         return Properties(self)
+
+    # ONNX Runtime 1.16's spelling: state[name] is a parameter, else a property
+    def __getitem__(self, name: str) -> Parameter | Property:
+        return self.parameters[name] if name in self.parameters else self.properties[name]
+
+    def __setitem__(self, name: str, value) -> None:
+        if name in self.parameters:
+            self.parameters[name] = value
+        else:
+            self.properties[name] = value
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.parameters or name in self.properties
 
     @property
     def checkpoint(self) -> Checkpoint:

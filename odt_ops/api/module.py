@@ -20,13 +20,14 @@ import onnx
 
 from odt_ops import meta
 from odt_ops.api.checkpoint_state import CheckpointState
-from odt_ops.checkpoint import check_matches
+from odt_ops.checkpoint import ENGINE_RNG, check_matches
 from odt_ops.errors import CheckpointError, InputError, OdtError
 from odt_ops.ir.load import read_model
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
 
-RNG_PROPERTY = "odt.rng_state"  # Dropout's generator, saved so a resumed run draws the same masks
+# ONNX Runtime's words, so code that matches its message keeps working
+NOMINAL_NOT_LOADED = "Please load the model parameters first."
 
 
 class TrainingDivergedError(OdtError):
@@ -71,6 +72,17 @@ class FlatBuffers:
         return sum(b.size for b in self.buffers.values())
 
 
+class ContiguousParameters(np.ndarray):
+    """What get_contiguous_parameters returns: a numpy array that also answers ONNX Runtime's
+    OrtValue calls (``.numpy()``, ``device_name()``), so code written for either works."""
+
+    def numpy(self) -> np.ndarray:
+        return self.view(np.ndarray)  # zero-copy
+
+    def device_name(self) -> str:
+        return "Cpu"
+
+
 def _transposed_weights(graph: onnx.GraphProto, names: Sequence[str]) -> frozenset[str]:
     """The names every reader of which is a Gemm taking it as B with transB=1."""
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
@@ -83,6 +95,11 @@ def _transposed_weights(graph: onnx.GraphProto, names: Sequence[str]) -> frozens
         return node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and i == 1 and trans_b == 1
 
     return frozenset(n for n in names if readers.get(n) and all(transposed_b(node, i) for node, i in readers[n]))
+
+
+def _as_array(x) -> np.ndarray:
+    """A numpy array, or an ONNX Runtime OrtValue (anything with ``.numpy()``) read as one."""
+    return x if isinstance(x, np.ndarray) else x.numpy() if hasattr(x, "numpy") else np.asarray(x)
 
 
 def _check_loss(loss: np.ndarray) -> None:
@@ -98,9 +115,13 @@ class Module:
     """``Module(training_model, state, eval_model)``: ``module(*inputs)`` runs a train step
     (forward + backward, gradients accumulated) in train mode, an eval step in eval mode."""
 
-    def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu", *, seed: int = 0):
-        if device != "cpu":
-            raise InputError(f"device {device!r}: odt_ops runs on the CPU only")
+    def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu",
+                 session_options=None, *, seed: int = 0):
+        if str(device).lower().split(":")[0] != "cpu":
+            raise InputError(f"Module(device={device!r}): odt_ops runs on the CPU only; pass device='cpu'")
+        # session_options (an onnxruntime.SessionOptions) is accepted so ported code runs; its
+        # thread and provider settings have no meaning for the numpy engine
+        self.session_options = session_options
         self._state = state
         # one generator for every random draw (Dropout masks), so a seed makes a run repeatable
         self._rng = np.random.default_rng(seed)
@@ -156,17 +177,22 @@ class Module:
         self.frozen = FlatBuffers({n: expected[n] for n in info.frozen}, transposed)
         self.grads = self.params.like()
         self.buffers = {n: np.array(ckpt.buffers[n], dtype=expected[n][1]) for n in info.buffers}
+        unloaded_buffers = sorted(n for n in info.buffers if n in ckpt.missing)
+        if unloaded_buffers:
+            raise CheckpointError(f"{state._source}: the nominal checkpoint has no values for the buffers {unloaded_buffers} "
+                                  "(an earlier version left them out); generate the nominal checkpoint again")
         for flat in (self.params, self.frozen):
             for name, view in flat.views.items():
-                if not ckpt.nominal:
+                if name not in ckpt.missing:
                     np.copyto(view, ckpt.parameters[name])
                 ckpt.parameters[name] = view
         for name, array in self.buffers.items():
             ckpt.buffers[name] = array
+        self._ckpt = ckpt
         state._grads = dict(self.grads.views)
         state._module = self
-        if RNG_PROPERTY in ckpt.properties:
-            self._rng.bit_generator.state = json.loads(ckpt.properties[RNG_PROPERTY])
+        if ENGINE_RNG in ckpt.engine:
+            self._rng.bit_generator.state = json.loads(ckpt.engine[ENGINE_RNG])
         self._param_feeds = [ckpt.parameters[n] for n in info.parameters] + [self.buffers[n] for n in info.buffers]
         self._grad_views = [self.grads.views[p] for p in info.trainable if p in info.gradients]
         self._pending: tuple[FlatBuffers, list] | None = None  # an accumulating step's gradients, made on first use
@@ -174,7 +200,15 @@ class Module:
 
     def _sync_to_state(self) -> None:
         """Record what lives outside the arrays (the generator) in the state."""
-        self._state._checkpoint.properties[RNG_PROPERTY] = json.dumps(self._rng.bit_generator.state)
+        self._ckpt.engine[ENGINE_RNG] = json.dumps(self._rng.bit_generator.state)
+
+    def require_loaded(self) -> None:
+        """Raise unless every parameter holds values (a nominal checkpoint's must be copied in)."""
+        if self._ckpt.missing:
+            raise CheckpointError(
+                f"{NOMINAL_NOT_LOADED} {self._state._source} is a nominal checkpoint and {sorted(self._ckpt.missing)[:8]} "
+                "have no values: call module.copy_buffer_to_parameters(buffer, trainable_only=False) with the weights"
+            )
 
     # ---- onnxruntime's Module surface ------------------------------------------------------
     def train(self, mode: bool = True) -> "Module":
@@ -188,13 +222,15 @@ class Module:
         return self
 
     def __call__(self, *user_inputs):
+        if self._ckpt.missing:
+            self.require_loaded()
         step = self._train if self.training else self._eval
         if step is None:
             raise InputError("this Module has no eval model; pass eval_model_uri to Module(...)")
         specs = step["inputs"]
         if len(user_inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({[s.name for s in specs]}), got {len(user_inputs)}")
-        feeds = [spec.check(x) for spec, x in zip(specs, user_inputs)]
+        feeds = [spec.check(_as_array(x)) for spec, x in zip(specs, user_inputs)]
         n = step["n_outputs"]
         if self.training:
             # a reset step computes the gradients into their buffer; an accumulating one into a
@@ -215,6 +251,9 @@ class Module:
         else:
             outs = step["plan"].run(feeds + self._param_feeds)
         user = [np.asarray(o) for o in outs[:n]]  # 0-d results come back from numpy as scalars
+        wrap = next((type(x).ortvalue_from_numpy for x in user_inputs if hasattr(type(x), "ortvalue_from_numpy")), None)
+        if wrap is not None:  # given onnxruntime OrtValues, answer in kind as ONNX Runtime does
+            user = [wrap(u) for u in user]
         return user[0] if n == 1 else user
 
     def lazy_reset_grad(self) -> None:
@@ -232,14 +271,18 @@ class Module:
     def get_parameters_size(self, trainable_only: bool = True) -> int:
         return self.params.size + (0 if trainable_only else self.frozen.size)
 
-    def get_contiguous_parameters(self, trainable_only: bool = False) -> np.ndarray:
-        """All parameters flattened (trainable first, then frozen), as a copy."""
+    def get_contiguous_parameters(self, trainable_only: bool = False) -> ContiguousParameters:
+        """All parameters flattened (trainable first, then frozen), as a copy: a snapshot that
+        later steps leave alone, as ONNX Runtime's is."""
+        self.require_loaded()
         parts = [self.params.flat()] + ([] if trainable_only else [self.frozen.flat()])
-        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        flat = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        return flat.view(ContiguousParameters)
 
-    def copy_buffer_to_parameters(self, buffer: np.ndarray, trainable_only: bool = True) -> None:
-        """Fill parameters from a flat buffer laid out as get_contiguous_parameters returns it."""
-        buffer = np.asarray(buffer).ravel()
+    def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
+        """Fill parameters from a flat buffer laid out as get_contiguous_parameters returns it
+        (a numpy array, or anything with ONNX Runtime's ``.numpy()``)."""
+        buffer = _as_array(buffer).ravel()
         expected = self.get_parameters_size(trainable_only)
         if buffer.size != expected:
             raise InputError(f"buffer has {buffer.size} values, the {'trainable ' if trainable_only else ''}parameters need {expected}")
@@ -249,6 +292,7 @@ class Module:
                 view = flat.views[name]
                 np.copyto(view, buffer[offset : offset + view.size].reshape(view.shape), casting="same_kind")
                 offset += view.size
+                self._ckpt.fill(name)
 
     def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike, graph_output_names: Sequence[str] | None = None) -> None:
         """An inference-only model: the eval graph without loss and labels, weights baked in."""
@@ -256,4 +300,5 @@ class Module:
 
         if self._eval is None:
             raise InputError("exporting needs the eval model; pass eval_model_uri to Module(...)")
+        self.require_loaded()
         export_inference_model(self._eval_proto, self._state.checkpoint, inference_model_uri, graph_output_names)

@@ -59,6 +59,7 @@ class Optimizer:
 
     def step(self) -> None:
         """One update of every trainable parameter from its accumulated gradient."""
+        self._module.require_loaded()
         self._state.step += 1
         params, grads = self._module.params, self._module.grads
         for dtype, buffer in params.buffers.items():

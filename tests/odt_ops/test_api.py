@@ -168,7 +168,7 @@ def test_optimizer_matches_its_graph_on_onnxruntime(mlp_artifacts):
     module(x, y)
     proto = onnx.load(mlp_artifacts / "optimizer_model.onnx")
     names = [i.name for i in proto.graph.input]
-    before = {n: state.parameters[n].data.copy() for n in state.parameters}
+    before = {n: state.parameters[n].data.copy() for n in state.parameters.keys()}
     moments = {n: [s.copy() for s in state.checkpoint.optimizer.states[n].values()] for n in before}
     feeds = {"learning_rate": np.array(0.01, np.float32), "step": np.array(3, np.int64)}
     meta = [p for p in __import__("odt_ops.meta", fromlist=["x"]).read_optimizer(proto)["parameters"]]

@@ -50,7 +50,7 @@ def test_nominal_checkpoint_has_specs_only(tmp_path):
     ckpt = sample()
     ckpt.parameters["big"] = np.ones((100, 100), np.float32)
     save_checkpoint(ckpt, tmp_path / "full")
-    ckpt.nominal = True
+    ckpt.make_nominal()
     save_checkpoint(ckpt, tmp_path / "nominal")
     back = load_checkpoint(tmp_path / "nominal")
     assert back.nominal

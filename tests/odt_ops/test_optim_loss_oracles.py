@@ -377,7 +377,7 @@ def test_training_loop_reproduces_torch(case, tmp_path):
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
     module = Module(tmp_path / "training_model.onnx", state)
     opt = Optimizer(tmp_path / "optimizer_model.onnx", module)
-    net = _torch_mlp(torch, state, list(state.parameters))
+    net = _torch_mlp(torch, state, state.parameters.keys())
     torch_opt = make(torch, list(net.parameters()))
     x, y = classification_data(8 * len(LRS), features=20, classes=5, seed=2)
     for i, lr in enumerate(LRS):
