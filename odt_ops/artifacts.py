@@ -16,7 +16,6 @@ import enum
 import fnmatch
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +25,15 @@ from onnx import helper
 from odt_ops import meta
 from odt_ops.checkpoint import Checkpoint, save_checkpoint
 from odt_ops.errors import ArtifactError, UnsupportedOpError
-from odt_ops.grad.build import build_gradients, missing_gradients
+from odt_ops.grad.build import missing_gradients
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.load import ModelSource, load_model, save_model
 from odt_ops.ir.model import TARGET_IR_VERSION, Model
-from odt_ops.ir.modes import set_inference_mode, set_training_mode
-from odt_ops.onnxblock import Block, base, loss as losses, optim
+from odt_ops.onnxblock import Block, base, optim
+from odt_ops.onnxblock import loss as losses
 from odt_ops.onnxblock.blocks import PassThrough
 from odt_ops.onnxblock.optim import ParamSlots
+from odt_ops.training_models import ParameterSplit, finish, training_graphs
 
 
 class LossType(enum.Enum):
@@ -55,13 +55,6 @@ _OPTIMIZERS = {OptimType.AdamW: lambda: optim.AdamW(), OptimType.SGD: lambda: op
 
 # BatchNormalization inputs 3 and 4 are running statistics: buffers, not parameters
 _BUFFER_INPUTS = {"BatchNormalization": (3, 4)}
-
-
-@dataclass(frozen=True)
-class ParameterSplit:
-    trainable: list[str]
-    frozen: list[str]
-    buffers: list[str]
 
 
 def classify_parameters(model: Model, requires_grad: Sequence[str] | None, frozen_params: Sequence[str] | None) -> ParameterSplit:
@@ -133,11 +126,17 @@ def generate_artifacts(
     optimizer: OptimType | optim.Optimizer | None = None,
     artifact_directory: str | os.PathLike | None = None,
     prefix: str = "",
+    ort_format: bool = False,
+    custom_op_library: str | os.PathLike | None = None,
     additional_output_names: Sequence[str] | None = None,
     nominal_checkpoint: bool = False,
     loss_input_names: Sequence[str] | None = None,
 ) -> dict[str, Path]:
-    """Write the training artifacts for ``model``; returns the written paths by kind."""
+    """Write the training artifacts for ``model``; returns the written paths by kind.
+
+    The parameters are ONNX Runtime's, in its order. ``ort_format`` and ``custom_op_library``
+    exist so ported calls run; only their defaults can be honoured (see _refuse_ort_only)."""
+    _refuse_ort_only(ort_format, custom_op_library)
     forward = load_model(model)
     split = classify_parameters(forward, requires_grad, frozen_params)
     missing = missing_gradients(forward, split.trainable)
@@ -148,29 +147,12 @@ def generate_artifacts(
     opt = _optimizer(optimizer) if optimizer is not None else None
     extra = list(additional_output_names or [])
 
-    eval_model = _with_loss(forward, split, loss_block, loss_input_names, extra, training=False)
-    train_model = _with_loss(forward, split, loss_block, loss_input_names, extra, training=True)
-    loss_name = train_model.graph.output[0].name
-    grads = _add_gradients(train_model, loss_name, split)
-    buffer_updates = _buffer_updates(train_model, split)
-
+    with_loss, loss_name = _apply_loss(forward, loss_block, loss_input_names, extra)
     arrays = forward.initializer_arrays()
-    info = meta.ArtifactInfo(
-        user_inputs=[i.name for i in forward.graph.input],
-        labels=[i.name for i in eval_model.graph.input if i.name not in {x.name for x in forward.graph.input} and i.name not in arrays],
-        trainable=split.trainable,
-        frozen=split.frozen,
-        buffers=split.buffers,
-        loss=loss_name,
-        extra_outputs=extra,
-        gradients=grads,
-        buffer_updates=buffer_updates,
-        inference_outputs=[o.name for o in forward.graph.output],
-    )
-    models = {}
-    for kind, proto in (("training_model", train_model), ("eval_model", eval_model)):
-        meta.write(proto, info)
-        models[kind] = _finish(proto, f"{prefix}{kind}.onnx")
+    forward_inputs = [i.name for i in forward.graph.input]
+    train_model, eval_model = training_graphs(with_loss, split, loss_name, extra, forward_inputs,
+                                              [o.name for o in forward.graph.output], prefix)
+    models = {"training_model": train_model, "eval_model": eval_model}
     if opt is not None:
         models["optimizer_model"] = build_optimizer_model(opt, {n: arrays[n] for n in split.trainable})
     paths = {}
@@ -191,6 +173,21 @@ def generate_artifacts(
     return paths
 
 
+def _refuse_ort_only(ort_format: bool, custom_op_library) -> None:
+    if ort_format:
+        raise ArtifactError(
+            "generate_artifacts(ort_format=True): the .ort format is ONNX Runtime's own flatbuffer for its minimal "
+            "builds; odt_ops writes and runs the .onnx artifacts only. Pass ort_format=False (onnxruntime can "
+            "convert the .onnx files with python -m onnxruntime.tools.convert_onnx_models_to_ort)"
+        )
+    if custom_op_library is not None:
+        raise ArtifactError(
+            f"generate_artifacts(custom_op_library={str(custom_op_library)!r}): a custom op library is native code "
+            "for ONNX Runtime's kernels; odt_ops runs standard ONNX ops only. Pass custom_op_library=None and "
+            "express the custom ops with standard ones (python -m odt_ops check MODEL lists what is missing)"
+        )
+
+
 def _loss_block(loss: LossType | Block | None) -> Block:
     if loss is None:
         return PassThrough()
@@ -209,23 +206,11 @@ def _optimizer(optimizer: OptimType | optim.Optimizer) -> optim.Optimizer:
     raise ArtifactError(f"optimizer must be an odt_ops.artifacts.OptimType or an onnxblock.optim optimizer, got {type(optimizer).__name__}")
 
 
-def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_input_names, extra: list[str], *, training: bool) -> onnx.ModelProto:
-    """The forward graph with parameters as inputs, a loss, and outputs [loss, *extra]."""
+def _apply_loss(forward: Model, loss_block: Block, loss_input_names, extra: list[str]) -> tuple[onnx.ModelProto, str]:
+    """A copy of the forward graph with the loss block built on its outputs; returns it and the loss's name."""
     proto = onnx.ModelProto()
     proto.CopyFrom(forward.proto)
     graph = proto.graph
-    as_inputs = [*split.trainable, *split.frozen, *split.buffers]
-    moved = {t.name: t for t in graph.initializer if t.name in set(as_inputs)}
-    kept = [t for t in graph.initializer if t.name not in moved]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    for name in as_inputs:
-        t = moved[name]
-        graph.input.append(helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
-    if training:
-        set_training_mode(graph)
-    else:
-        set_inference_mode(graph)
     outputs = [o.name for o in graph.output]
     known = outputs + [v.name for v in graph.value_info]
     absent = [n for n in (*(loss_input_names or []), *extra) if n not in known]
@@ -236,53 +221,7 @@ def _with_loss(forward: Model, split: ParameterSplit, loss_block: Block, loss_in
         loss_name = loss_block(*loss_inputs)
     if not isinstance(loss_name, str):
         raise ArtifactError("the loss block must return the name of one scalar value")
-    graph = _inferred(proto).graph  # the loss's own type: float64 models, reduction="none" keeps a shape
-    types = {v.name: v for v in (*graph.output, *graph.value_info)}
-    del graph.output[:]
-    graph.output.append(types.get(loss_name) or helper.make_tensor_value_info(loss_name, onnx.TensorProto.FLOAT, []))
-    for name in extra:
-        graph.output.append(types[name])
-    return _inferred(proto)
-
-
-def _add_gradients(proto: onnx.ModelProto, loss_name: str, split: ParameterSplit) -> dict[str, str]:
-    if not split.trainable:
-        return {}
-    result = build_gradients(proto, loss_name, split.trainable)
-    proto.graph.node.extend(result.nodes)
-    proto.graph.initializer.extend(result.initializers)
-    grads = {}
-    for param, grad in result.grads.items():
-        proto.graph.output.append(_typed_like(proto, grad, param))
-        grads[param] = grad
-    return grads
-
-
-def _buffer_updates(proto: onnx.ModelProto, split: ParameterSplit) -> dict[str, str]:
-    """BatchNormalization in training mode outputs new running statistics: expose them."""
-    updates = {}
-    b = GraphBuilder(taken={n for node in proto.graph.node for n in (*node.input, *node.output)})
-    for node in proto.graph.node:
-        if node.op_type != "BatchNormalization":
-            continue
-        outs = list(node.output) + [""] * (3 - len(node.output))
-        for i, buf in ((1, node.input[3]), (2, node.input[4])):
-            if buf in split.buffers:
-                outs[i] = outs[i] or b.fresh(f"{buf}/updated")
-                updates[buf] = outs[i]
-        del node.output[:]
-        node.output.extend(outs)
-    for buf, out in updates.items():
-        proto.graph.output.append(_typed_like(proto, out, buf))
-    return updates
-
-
-def _typed_like(proto: onnx.ModelProto, name: str, like: str) -> onnx.ValueInfoProto:
-    """An output declared with the type of graph input ``like``: a gradient or an updated
-    buffer has its parameter's dtype and shape, whether or not shape inference can tell."""
-    value = onnx.ValueInfoProto(name=name)
-    value.type.CopyFrom(next(i.type for i in proto.graph.input if i.name == like))
-    return value
+    return proto, loss_name
 
 
 def build_optimizer_model(opt: optim.Optimizer, params: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -313,36 +252,7 @@ def build_optimizer_model(opt: optim.Optimizer, params: dict[str, np.ndarray]) -
     graph = helper.make_graph(b.nodes, "optimizer", inputs, outputs, b.initializers)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=TARGET_IR_VERSION)
     meta.write_optimizer(proto, opt, slots, [o.name for o in outputs])
-    return _finish(proto, "optimizer_model.onnx")
-
-
-def _inferred(proto: onnx.ModelProto) -> onnx.ModelProto:
-    inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=False, data_prop=True)
-    proto.CopyFrom(inferred)
-    return proto
-
-
-def _complete_output_types(proto: onnx.ModelProto) -> None:
-    """Give outputs declared without a shape (gradients, buffer updates) their inferred type."""
-    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True).graph
-    types = {v.name: v.type for v in (*inferred.value_info, *inferred.output, *inferred.input)}
-    for out in proto.graph.output:
-        if not out.type.tensor_type.HasField("shape") and out.name in types:
-            out.type.CopyFrom(types[out.name])
-
-
-def _finish(proto: onnx.ModelProto, what: str) -> onnx.ModelProto:
-    proto.ir_version = TARGET_IR_VERSION
-    used = {n for node in proto.graph.node for n in node.input} | {o.name for o in proto.graph.output}
-    unused = [t for t in proto.graph.initializer if t.name not in used]
-    for t in unused:
-        proto.graph.initializer.remove(t)
-    _complete_output_types(proto)
-    try:
-        onnx.checker.check_model(proto, full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        raise ArtifactError(f"{what}: the generated model fails onnx.checker (a bug in odt_ops): {exc}") from None
-    return proto
+    return finish(proto, "optimizer_model.onnx")
 
 
 __all__ = ["LossType", "OptimType", "check_coverage", "classify_parameters", "generate_artifacts"]

@@ -34,6 +34,9 @@ class ArtifactInfo:
     gradients: dict[str, str] = field(default_factory=dict)  # parameter -> gradient output
     buffer_updates: dict[str, str] = field(default_factory=dict)  # buffer -> updated output
     inference_outputs: list[str] = field(default_factory=list)
+    # inputs the Module does not feed; it leaves out the nodes that read them (a TrainingBlock's
+    # ONNX Runtime-style gradient accumulation, which the Module does in its own buffers)
+    unfed_inputs: list[str] = field(default_factory=list)
 
     @property
     def parameters(self) -> list[str]:

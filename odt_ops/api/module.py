@@ -97,6 +97,22 @@ def _transposed_weights(graph: onnx.GraphProto, names: Sequence[str]) -> frozens
     return frozenset(n for n in names if readers.get(n) and all(transposed_b(node, i) for node, i in readers[n]))
 
 
+def _without_readers_of(graph: onnx.GraphProto, names: set[str]) -> onnx.GraphProto:
+    """A copy of ``graph`` without the nodes that depend on ``names``."""
+    pruned = onnx.GraphProto()
+    pruned.CopyFrom(graph)
+    tainted = set(names)
+    kept = []
+    for node in pruned.node:  # artifacts are topologically sorted
+        if tainted.intersection(node.input):
+            tainted.update(node.output)
+        else:
+            kept.append(node)
+    del pruned.node[:]
+    pruned.node.extend(kept)
+    return pruned
+
+
 def _as_array(x) -> np.ndarray:
     """A numpy array, or an ONNX Runtime OrtValue (anything with ``.numpy()``) read as one."""
     return x if isinstance(x, np.ndarray) else x.numpy() if hasattr(x, "numpy") else np.asarray(x)
@@ -152,6 +168,8 @@ class Module:
             grads = [info.gradients[p] for p in info.trainable if p in info.gradients]
             outputs += grads + list(info.buffer_updates.values())
             destinations, checks = grads, {info.loss: _check_loss}
+        if info.unfed_inputs:
+            graph = _without_readers_of(graph, set(info.unfed_inputs))
         opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
         plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng,
@@ -176,6 +194,10 @@ class Module:
         self.params = FlatBuffers({n: expected[n] for n in info.trainable}, transposed)
         self.frozen = FlatBuffers({n: expected[n] for n in info.frozen}, transposed)
         self.grads = self.params.like()
+        for n in info.buffers:  # onnxblock.save_checkpoint stores running statistics among the frozen parameters
+            if n not in ckpt.buffers and n in ckpt.parameters:
+                ckpt.buffers[n] = ckpt.parameters.pop(n)
+                ckpt.requires_grad.pop(n, None)
         self.buffers = {n: np.array(ckpt.buffers[n], dtype=expected[n][1]) for n in info.buffers}
         unloaded_buffers = sorted(n for n in info.buffers if n in ckpt.missing)
         if unloaded_buffers:

@@ -42,14 +42,12 @@ def set_inference_mode(graph: onnx.GraphProto) -> None:
     renamed: dict[str, str] = {}
     for node in graph.node:
         if node.op_type == "Dropout":
-            ins = list(node.input)
-            if len(ins) >= 3:
-                del node.input[:]
-                node.input.extend(ins[:2])
+            if len(node.input) >= 3:
+                node.input[2] = ""  # an absent training_mode is false; ORT's eval model reads the same
         elif node.op_type == "BatchNormalization":
-            kept_attributes = [a for a in node.attribute if a.name != "training_mode"]  # absent = 0, at every opset
-            del node.attribute[:]
-            node.attribute.extend(kept_attributes)
+            for a in node.attribute:  # absent means 0, and opsets below 14 have no such attribute
+                if a.name == "training_mode":
+                    a.i = 0
             for out, stat in zip(node.output[1:3], node.input[3:5]):
                 if out:
                     renamed[out] = stat

@@ -9,8 +9,16 @@ the model currently open with ``base(model)`` and returns its output name(s)::
             return onnxblock.blocks.ReduceMean()(onnxblock.blocks.Mul()(diff, diff))
 
 ``generate_artifacts(..., loss=WeightedMSE())`` accepts such a block as the loss.
+
+Custom graphs as ONNX Runtime users write them work too: ``ForwardBlock`` and
+``TrainingBlock`` subclasses (``requires_grad``, ``parameters()``, ``to_model_proto()``),
+optimizer blocks called on ``parameters()``, ``save_checkpoint`` and
+``load_checkpoint_to_model``.
 """
 from odt_ops.onnxblock import blocks, loss, optim
 from odt_ops.onnxblock.base import Block, base, current_builder, empty_base
+from odt_ops.onnxblock.checkpoint_utils import load_checkpoint_to_model, save_checkpoint
+from odt_ops.onnxblock.model_blocks import ForwardBlock, TrainingBlock
 
-__all__ = ["Block", "base", "blocks", "current_builder", "empty_base", "loss", "optim"]
+__all__ = ["Block", "ForwardBlock", "TrainingBlock", "base", "blocks", "current_builder", "empty_base",
+           "load_checkpoint_to_model", "loss", "optim", "save_checkpoint"]

@@ -14,17 +14,39 @@ from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET
 _CURRENT: contextvars.ContextVar[tuple[onnx.ModelProto, GraphBuilder] | None] = contextvars.ContextVar("onnxblock_base", default=None)
 
 
+class ModelAccessor:
+    """What ``with base(model) as accessor`` yields: ``accessor.model`` as in ONNX Runtime; every
+    other attribute is the model's own, so code that used the yielded value as the model still works."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
 @contextlib.contextmanager
-def base(model: onnx.ModelProto) -> Iterator[onnx.ModelProto]:
+def base(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
     """Blocks called inside this context add their nodes to ``model`` (in place)."""
     builder = builder_for(model, prefix="loss")
     token = _CURRENT.set((model, builder))
     try:
-        yield model
+        yield ModelAccessor(model)
     finally:
         _CURRENT.reset(token)
         model.graph.node.extend(builder.nodes)
         model.graph.initializer.extend(builder.initializers)
+
+
+def flush() -> onnx.ModelProto:
+    """Move what the blocks built so far into the open model and return it (a ForwardBlock or
+    TrainingBlock reads the whole model while the context is still open)."""
+    model, builder = current()
+    model.graph.node.extend(builder.nodes)
+    model.graph.initializer.extend(builder.initializers)
+    del builder.nodes[:]
+    del builder.initializers[:]
+    return model
 
 
 def builder_for(model: onnx.ModelProto, prefix: str = "") -> GraphBuilder:
@@ -37,15 +59,15 @@ def builder_for(model: onnx.ModelProto, prefix: str = "") -> GraphBuilder:
 
 
 @contextlib.contextmanager
-def empty_base(opset_version: int = TARGET_OPSET) -> Iterator[onnx.ModelProto]:
+def empty_base(opset_version: int = TARGET_OPSET) -> Iterator[ModelAccessor]:
     """A new empty model to build into (optimizer graphs start from one)."""
     model = onnx.helper.make_model(
         onnx.helper.make_graph([], "onnxblock", [], []),
         opset_imports=[onnx.helper.make_opsetid("", opset_version)],
         ir_version=TARGET_IR_VERSION,
     )
-    with base(model):
-        yield model
+    with base(model) as accessor:
+        yield accessor
 
 
 def current() -> tuple[onnx.ModelProto, GraphBuilder]:

@@ -140,7 +140,72 @@ class InputLike(Block):
     def __init__(self, like: str):
         self.like = like
 
-    def build(self, name: str) -> str:
+    def build(self, name: str | None = None) -> str:
+        name = name or current_builder().fresh("user_input")
         tt = value_info(self.like).type.tensor_type
         shape = [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in tt.shape.dim] if tt.HasField("shape") else None
         return add_input(name, tt.elem_type, shape)
+
+
+class SequenceConstruct(_Op):
+    """A tensor sequence of the inputs."""
+
+    op_type = "SequenceConstruct"
+
+
+class ReduceAllL2(Block):
+    """sqrt(sum of squares of every element of every input), in standard ops (ONNX Runtime's
+    block of this name emits a com.microsoft node)."""
+
+    def build(self, *inputs: str) -> str:
+        b = current_builder()
+        squares = [b.op("ReduceSumSquare", [x], keepdims=0) for x in inputs]
+        total = squares[0] if len(squares) == 1 else b.op("Sum", squares)
+        return b.op("Sqrt", [total])
+
+
+class Linear(Block):
+    """x @ W^T + b (a Gemm), with new trainable initializers drawn as torch.nn.Linear draws them
+    (uniform in +-1/sqrt(in_features)), from a generator seeded by ``seed``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, alpha: float = 1.0, beta: float = 1.0,
+                 seed: int = 0):
+        self.in_features, self.out_features, self.bias = int(in_features), int(out_features), bool(bias)
+        self.alpha, self.beta, self.seed = float(alpha), float(beta), seed
+
+    def build(self, x: str) -> str:
+        b = current_builder()
+        rng = np.random.default_rng(self.seed)
+        bound = 1.0 / np.sqrt(self.in_features)
+        weight = _initializer(b, "linear.weight", rng.uniform(-bound, bound, (self.out_features, self.in_features)))
+        inputs = [x, weight]
+        if self.bias:
+            inputs.append(_initializer(b, "linear.bias", rng.uniform(-bound, bound, self.out_features)))
+        return b.op("Gemm", inputs, alpha=self.alpha, beta=self.beta, transB=1)
+
+
+def _initializer(b, hint: str, value: np.ndarray) -> str:
+    """A new, unshared initializer (a parameter: constants may be shared, parameters never)."""
+    name = b.fresh(hint)
+    b.initializers.append(onnx.numpy_helper.from_array(value.astype(np.float32), name))
+    return name
+
+
+class LabelEncoder(Block):
+    """ai.onnx.ml LabelEncoder: maps keys to values (e.g. class labels to indices)."""
+
+    def __init__(self, default_float: float = 0.0, default_int64: int = -1, default_string: str = "_Unused",
+                 keys_floats=None, keys_int64s=None, keys_strings=None, values_floats=None, values_int64s=None,
+                 values_strings=None):
+        self.attrs = {"default_float": default_float, "default_int64": default_int64, "default_string": default_string,
+                      "keys_floats": keys_floats, "keys_int64s": keys_int64s, "keys_strings": keys_strings,
+                      "values_floats": values_floats, "values_int64s": values_int64s, "values_strings": values_strings}
+
+    def build(self, x: str) -> str:
+        model, b = current()
+        if not any(o.domain == "ai.onnx.ml" for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", 2))
+        out = b.fresh("LabelEncoder")
+        attrs = {k: v for k, v in self.attrs.items() if v is not None}
+        b.nodes.append(onnx.helper.make_node("LabelEncoder", [x], [out], name=out, domain="ai.onnx.ml", **attrs))
+        return out

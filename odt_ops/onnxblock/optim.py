@@ -45,16 +45,62 @@ def clip_coefficient(grads: Sequence[np.ndarray], max_norm: float) -> np.float32
 
 
 @dataclass(frozen=True)
+class ClipGradNorm:
+    """Scale every gradient by min(max_norm / (||all gradients||_2 + 1e-6), 1), as torch's
+    clip_grad_norm_. Pass it as ``clip_grad=`` to an optimizer (ONNX Runtime's spelling, the
+    same as ``max_norm=``), or call it in a block on gradient names to get the clipped ones."""
+
+    max_norm: float
+
+    def __call__(self, *grads: str) -> list[str]:
+        from odt_ops.onnxblock.base import current_builder
+
+        b = current_builder()
+        coef = clip_coefficient_graph(b, list(grads), self.max_norm)
+        return [b.op("Mul", [g, coef]) for g in grads]
+
+
+@dataclass(frozen=True)
 class Optimizer:
-    """Shared surface: state names per parameter and gradient clipping."""
+    """Shared surface: state names per parameter and gradient clipping.
+
+    Calling an optimizer on a TrainingBlock's ``parameters()`` inside ``onnxblock.base`` or
+    ``empty_base`` builds its graph into that model, as ONNX Runtime's optimizer blocks do."""
 
     max_norm: float | None = None
+    clip_grad: ClipGradNorm | None = None  # ONNX Runtime's spelling of max_norm; folded into it
 
     state_names: tuple[str, ...] = ()
     kind = "Optimizer"
 
+    def __post_init__(self):
+        if self.clip_grad is not None:
+            if self.max_norm is not None and self.max_norm != self.clip_grad.max_norm:
+                raise ValueError(f"{type(self).__name__}: max_norm={self.max_norm} and clip_grad={self.clip_grad} disagree; give one")
+            object.__setattr__(self, "max_norm", float(self.clip_grad.max_norm))
+            object.__setattr__(self, "clip_grad", None)
+
     def hyperparameters(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "state_names"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("state_names", "clip_grad")}
+
+    def __call__(self, parameters) -> list[str]:
+        """Build this optimizer's graph into the open base model for the trainable parameters
+        (``parameters`` is a TrainingBlock's ``(trainable, frozen)`` pair of TensorProto lists);
+        returns the graph's output names."""
+        from onnx import numpy_helper
+
+        from odt_ops.artifacts import build_optimizer_model
+        from odt_ops.onnxblock.base import current
+
+        trainable = parameters[0] if isinstance(parameters, tuple) else parameters
+        built = build_optimizer_model(self, {t.name: numpy_helper.to_array(t) for t in trainable})
+        model = current()[0]
+        model.graph.CopyFrom(built.graph)
+        del model.opset_import[:]
+        model.opset_import.extend(built.opset_import)
+        del model.metadata_props[:]
+        model.metadata_props.extend(built.metadata_props)
+        return [o.name for o in built.graph.output]
 
     def build(self, b, params: Sequence[ParamSlots], lr: str, step: str) -> list[tuple[str, ...]]:
         """Emit the update; returns per parameter (new value, *new states)."""
@@ -94,6 +140,7 @@ class SGD(Optimizer):
     kind = "SGD"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.nesterov and self.momentum <= 0:
             raise ValueError("SGD: nesterov needs momentum > 0")
         object.__setattr__(self, "state_names", ("momentum_buffer",) if self.momentum else ())
@@ -142,6 +189,7 @@ class AdamW(Optimizer):
     kind = "AdamW"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.mode not in ("ort", "torch"):
             raise ValueError(f"AdamW mode must be 'ort' or 'torch', got {self.mode!r}")
         object.__setattr__(self, "betas", tuple(float(x) for x in self.betas))

@@ -34,6 +34,8 @@ class ValueSpec:
         """The feed as an array, or InputError naming the input and what was expected."""
         if not isinstance(value, np.ndarray):
             value = np.asarray(value)
+        if self.dtype == np.dtype(object) and value.dtype.kind in "US":
+            value = value.astype(object)  # ONNX strings are Python str objects; onnxruntime takes numpy's str arrays too
         if self.dtype is not None and value.dtype != self.dtype:
             raise InputError(f"input {self.name!r}: expected dtype {self.dtype}, got {value.dtype}; cast it with .astype(np.{self.dtype})")
         if self.shape is not None:

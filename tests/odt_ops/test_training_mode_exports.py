@@ -76,6 +76,8 @@ def test_eval_model_and_inference_export_match_pytorch_eval(tmp_path, opset):
     for node in exported.graph.node:
         if node.op_type == "BatchNormalization":
             assert len(node.output) == 1 and not any(a.name == "training_mode" and a.i for a in node.attribute)
+        if node.op_type == "Dropout":
+            assert len(node.input) < 3 or not node.input[2]
 
 
 def test_training_model_keeps_batch_statistics_and_updates_running_ones(tmp_path):

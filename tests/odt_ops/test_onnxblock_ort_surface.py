@@ -1,0 +1,226 @@
+"""onnxblock and generate_artifacts as ONNX Runtime users call them: custom TrainingBlock and
+ForwardBlock graphs, optimizer blocks called on parameters, gradient clipping, the onnxblock
+checkpoint helpers, and the options we accept but cannot honour. PyTorch autograd and
+onnxruntime's inference build are the oracles."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from odt_ops import artifacts, onnxblock
+from odt_ops.api import CheckpointState, Module, Optimizer
+from odt_ops.errors import ArtifactError, InputError
+
+torch = pytest.importorskip("torch", reason="PyTorch (the dev extra) is the oracle here")
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(12, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _export(net, x) -> onnx.ModelProto:
+    import io
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (x,), buffer, input_names=["x"], output_names=["logits"], opset_version=14,
+                          dynamic_axes={"x": {0: "n"}, "logits": {0: "n"}}, dynamo=False)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+class CrossEntropyTraining(onnxblock.TrainingBlock):
+    def __init__(self):
+        super().__init__()
+        self.loss = onnxblock.loss.CrossEntropyLoss()
+
+    def build(self, output_name):
+        return self.loss(output_name)
+
+
+@pytest.fixture
+def net_and_data():
+    torch.manual_seed(0)
+    net = TwoLayer()
+    x, y = torch.randn(6, 12), torch.randint(0, 3, (6,))
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    return net, x, y, loss.item()
+
+
+def _ort(model: onnx.ModelProto) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_a_custom_training_block_gives_pytorch_gradients_with_ort_accumulation(net_and_data):
+    net, x, y, want_loss = net_and_data
+    block = CrossEntropyTraining()
+    for name, _ in net.named_parameters():
+        block.requires_grad(name)
+    base = _export(net, x)
+    with onnxblock.base(base):
+        block(base.graph.output[0].name)
+    training, evaluation = block.to_model_proto()
+    trainable, frozen = block.parameters()
+    assert [t.name for t in trainable] == [n for n, _ in net.named_parameters()] and not frozen
+
+    # onnxruntime runs the training graph with ONNX Runtime's accumulation inputs and outputs
+    feeds = {training.graph.input[0].name: x.numpy(), training.graph.input[1].name: y.numpy()}
+    previous = {}
+    for name, p in net.named_parameters():
+        feeds[name] = p.detach().numpy()
+        previous[name] = np.full(p.shape, 0.5, np.float32)
+        feeds[f"{name}_grad.accumulation.buffer"] = previous[name]
+    names = [n for n, _ in net.named_parameters()]
+    for reset in (True, False):
+        feeds["lazy_reset_grad"] = np.array([reset])
+        outs = _ort(training).run([training.graph.output[0].name, *(f"{n}_grad.accumulation.out" for n in names)], feeds)
+        np.testing.assert_allclose(outs[0], want_loss, rtol=1e-5)
+        for name, got in zip(names, outs[1:]):
+            grad = dict(net.named_parameters())[name].grad.numpy()
+            np.testing.assert_allclose(got, grad if reset else previous[name] + grad, rtol=1e-4, atol=1e-6)
+    (eval_loss,) = _ort(evaluation).run([evaluation.graph.output[0].name],
+                                        {k: v for k, v in feeds.items() if k in {i.name for i in evaluation.graph.input}})
+    np.testing.assert_allclose(eval_loss, want_loss, rtol=1e-5)
+
+
+def test_a_custom_training_block_trains_in_our_module_from_its_onnxblock_checkpoint(tmp_path, net_and_data):
+    net, x, y, want_loss = net_and_data
+    block = CrossEntropyTraining()
+    for name in ("fc2.weight", "fc2.bias"):
+        block.requires_grad(name)
+    block.requires_grad("fc1.weight", False)
+    block.requires_grad("fc1.bias", False)
+    base = _export(net, x)
+    with onnxblock.base(base):
+        block(base.graph.output[0].name)
+    training, evaluation = block.to_model_proto()
+    onnx.save(training, tmp_path / "training_model.onnx")
+    onnx.save(evaluation, tmp_path / "eval_model.onnx")
+    onnxblock.save_checkpoint(block.parameters(), tmp_path / "checkpoint")
+    optimizer = onnxblock.optim.SGD()
+    with onnxblock.empty_base() as accessor:
+        optimizer(block.parameters())
+        onnx.save(accessor.model, tmp_path / "optimizer_model.onnx")
+
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    opt = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    module.train()
+    np.testing.assert_allclose(module(x.numpy(), y.numpy()), want_loss, rtol=1e-5)
+    np.testing.assert_allclose(state.parameters["fc2.weight"].grad, net.fc2.weight.grad.numpy(), rtol=1e-4, atol=1e-6)
+    assert state.parameters["fc1.weight"].grad is None
+    opt.set_learning_rate(0.1)
+    opt.step()
+    np.testing.assert_allclose(state.parameters["fc2.weight"].data,
+                               (net.fc2.weight - 0.1 * net.fc2.weight.grad).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_load_checkpoint_to_model_writes_the_trained_values_into_the_forward_model(tmp_path, net_and_data):
+    net, x, _, _ = net_and_data
+    block = CrossEntropyTraining()
+    for name, _ in net.named_parameters():
+        block.requires_grad(name)
+    base = _export(net, x)
+    with onnxblock.base(base):
+        block(base.graph.output[0].name)
+    onnxblock.save_checkpoint(block.parameters(), tmp_path / "checkpoint")
+    with torch.no_grad():
+        zeroed = TwoLayer()
+        for p in zeroed.parameters():
+            p.zero_()
+    target = _export(zeroed, x)
+    onnxblock.load_checkpoint_to_model(tmp_path / "checkpoint", target)
+    np.testing.assert_allclose(_ort(target).run(None, {"x": x.numpy()})[0], net(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="allow_unused"):
+        onnxblock.load_checkpoint_to_model(tmp_path / "checkpoint", onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])))
+
+
+def test_a_forward_block_is_the_model_with_its_output(net_and_data):
+    net, x, _, _ = net_and_data
+
+    class Mse(onnxblock.ForwardBlock):
+        def __init__(self):
+            super().__init__()
+            self.loss = onnxblock.loss.MSELoss()
+
+        def build(self, output_name):
+            return self.loss(output_name)
+
+    block = Mse()
+    base = _export(net, x)
+    with onnxblock.base(base) as accessor:
+        assert accessor.model is base
+        out = block(base.graph.output[0].name)
+    model = block.to_model_proto()
+    assert [o.name for o in model.graph.output] == [out]
+    target = torch.randn(6, 3)
+    got = _ort(model).run(None, {model.graph.input[0].name: x.numpy(), model.graph.input[1].name: target.numpy()})[0]
+    np.testing.assert_allclose(got, torch.nn.functional.mse_loss(net(x), target).item(), rtol=1e-5)
+
+
+def test_clip_grad_norm_matches_pytorch(net_and_data):
+    net, _, _, _ = net_and_data
+    grads = [p.grad.numpy().copy() for p in net.parameters()]
+    names = [f"g{i}" for i in range(len(grads))]
+
+    class Clip(onnxblock.ForwardBlock):
+        def build(self, *gs):
+            return onnxblock.optim.ClipGradNorm(0.05)(*gs)
+
+    base = onnx.helper.make_model(onnx.helper.make_graph(
+        [], "clip", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, list(g.shape)) for n, g in zip(names, grads)], []),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    block = Clip()
+    with onnxblock.base(base):
+        block(*names)
+    clipped = _ort(block.to_model_proto()).run(None, dict(zip(names, grads)))
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+    for got, p in zip(clipped, net.parameters()):
+        np.testing.assert_allclose(got, p.grad.numpy(), rtol=1e-5, atol=1e-8)
+    assert onnxblock.optim.AdamW(clip_grad=onnxblock.optim.ClipGradNorm(2.5)).max_norm == 2.5
+    assert onnxblock.optim.SGD(clip_grad=onnxblock.optim.ClipGradNorm(1.0)).hyperparameters()["max_norm"] == 1.0
+
+
+def test_parameters_before_building_name_the_fix():
+    with pytest.raises(ArtifactError, match="Please build the training model first"):
+        CrossEntropyTraining().parameters()
+
+
+@pytest.mark.parametrize("option", [{"ort_format": True}, {"custom_op_library": "libcustom.so"}])
+def test_options_we_cannot_honour_are_refused_by_name_before_anything_is_written(tmp_path, option, net_and_data):
+    net, x, _, _ = net_and_data
+    with pytest.raises(ArtifactError, match=next(iter(option))):
+        artifacts.generate_artifacts(_export(net, x), requires_grad=["fc2.weight"], loss=artifacts.LossType.CrossEntropyLoss,
+                                     artifact_directory=tmp_path, **option)
+    assert not any(tmp_path.iterdir())
+    artifacts.generate_artifacts(_export(net, x), requires_grad=["fc2.weight"], loss=artifacts.LossType.CrossEntropyLoss,
+                                 artifact_directory=tmp_path, ort_format=False, custom_op_library=None)
+
+
+def test_module_takes_ort_arguments_and_orders_inputs_as_ort(tmp_path, net_and_data):
+    net, x, y, _ = net_and_data
+    artifacts.generate_artifacts(_export(net, x), requires_grad=["fc1.weight", "fc2.weight"], frozen_params=["fc1.bias"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    with pytest.raises(InputError, match="device"):
+        Module(tmp_path / "training_model.onnx", state, device="cuda")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx", device="cpu",
+                    session_options=ort.SessionOptions())
+    training = onnx.load(tmp_path / "training_model.onnx")
+    assert module.input_names() == [i.name for i in training.graph.input][:2] == ["x", module.input_names()[1]]
+    assert module.output_names() == [o.name for o in training.graph.output][:1]
+    loss = module(ort.OrtValue.ortvalue_from_numpy(x.numpy()), ort.OrtValue.ortvalue_from_numpy(y.numpy()))
+    assert isinstance(loss, ort.OrtValue)  # given OrtValues, answered in kind
+    flat = module.get_contiguous_parameters()
+    module.copy_buffer_to_parameters(ort.OrtValue.ortvalue_from_numpy(flat.numpy() * 2), trainable_only=False)
+    np.testing.assert_array_equal(module.get_contiguous_parameters(), flat * 2)
