@@ -45,7 +45,7 @@ def load_npz(path: str | os.PathLike, keys: tuple[str, ...] = ("x", "y"), *, wha
     naming the file (never a pickle load)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: {what} not found" + (f"; run the stage that writes it (dvc repro)" if "data/" in str(path) else ""))
+        raise DataError(f"{path}: {what} not found" + ("; run the stage that writes it (dvc repro)" if "data/" in str(path) else ""))
     try:
         with np.load(path, allow_pickle=False) as npz:
             missing = [k for k in keys if k not in npz.files]

@@ -25,11 +25,11 @@ from odt_ops.benchmark.driver import ONE_THREAD
 
 
 def _session(config, directory: str, batch: int):
+    import onnx
+
     from odt_ops.api import CheckpointState, Module, Optimizer
     from odt_ops.benchmark import configs as cfgs
     from odt_ops.benchmark.driver import odt_artifacts
-
-    import onnx
 
     model = cfgs.forward_model(config)
     forward = Path(directory) / "forward.onnx"

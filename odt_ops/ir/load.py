@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-
 import onnx
 from google.protobuf.message import DecodeError
 

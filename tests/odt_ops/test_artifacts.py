@@ -24,7 +24,8 @@ from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import load_checkpoint
 from odt_ops.errors import ArtifactError, OdtError, UnsupportedOpError
 from odt_ops.kernels import registry
-from odt_ops.onnxblock import Block, blocks, loss as losses, optim
+from odt_ops.onnxblock import Block, blocks, optim
+from odt_ops.onnxblock import loss as losses
 from tests.odt_ops.engines import ENGINES, run_odt, run_ort
 from tests.odt_ops.models import cnn, mlp
 

@@ -95,8 +95,8 @@ def test_slice_matches_numpy_slicing(case):
     # ONNX clamps start to 0 (keeping element 0) where Python yields nothing
     assume(not any(st < 0 and s + data.shape[a] < 0 for a, s, st in zip(axes, starts, steps)))
     index = [slice(None)] * data.ndim
-    for a, s, e, st in zip(axes, starts, ends, steps):
-        index[a] = slice(s, e, st)
+    for a, s, e, step in zip(axes, starts, ends, steps):
+        index[a] = slice(s, e, step)
     model, feeds = one_node("Slice", inputs)
     (got,) = run_odt(model, feeds)
     assert_same([got], [data[tuple(index)]])

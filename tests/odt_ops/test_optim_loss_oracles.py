@@ -19,7 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from odt_ops import artifacts, meta
 from odt_ops.api import CheckpointState, Module, Optimizer
-from odt_ops.onnxblock import loss as losses, optim
+from odt_ops.onnxblock import loss as losses
+from odt_ops.onnxblock import optim
 from tests.odt_ops.engines import ENGINES
 
 SHAPES = {"w": (4, 3), "b": (3,), "k": (2, 2, 2)}

@@ -9,6 +9,7 @@ import harness  # noqa: E402  (this directory; the worker runs by path)
 def import_runtime() -> dict:
     global np, CheckpointState, Module, Optimizer
     import numpy as np
+
     import odt_ops
     from odt_ops.api import CheckpointState, Module, Optimizer
 

@@ -36,7 +36,7 @@ def mul_grad(ctx, dY):
 @gradient("Div", broadcasting=True)
 def div_grad(ctx, dY):
     """dA = dY / B, dB = -dA * Y"""
-    b, (A, B), (Y,) = ctx.b, ctx.inputs[:2], ctx.outputs
+    b, (_a, B), (Y,) = ctx.b, ctx.inputs[:2], ctx.outputs
     dA = b.Div(dY, B)
     return dA, b.Neg(b.Mul(dA, Y)) if ctx.needs(1) else None
 
@@ -377,7 +377,7 @@ def clip_grad(ctx, dY):
 @gradient("Where", broadcasting=True)
 def where_grad(ctx, dY):
     """dX = dY where condition, dY' = dY elsewhere"""
-    b, (C, X, Y) = ctx.b, ctx.inputs[:3]
+    b, (C, X, _y) = ctx.b, ctx.inputs[:3]
     zero = ctx.const(0, like=X)
     return (None, b.Where(C, dY, zero) if ctx.needs(1) else None, b.Where(C, zero, dY) if ctx.needs(2) else None)
 

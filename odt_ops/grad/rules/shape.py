@@ -83,7 +83,7 @@ def split_grad(ctx, *dYs):
 @gradient("Slice")
 def slice_grad(ctx, dY):
     """dX = dY padded with zeros back to X's extent (unit steps); scattered back otherwise"""
-    b, (X, starts, ends, axes, steps) = ctx.b, ctx.inputs[:5]
+    b, (_x, starts, ends, axes, steps) = ctx.b, ctx.inputs[:5]
     pads = _slice_pads(ctx)
     if pads is not None:
         begin, end, axes_ = pads
@@ -157,7 +157,7 @@ def gather_nd_grad(ctx, dY):
 def scatter_elements_grad(ctx, dY):
     """ddata = dY with the overwritten positions zeroed (all of dY for reduction=add);
     dupdates = gather(dY, indices)"""
-    b, (data, indices, updates) = ctx.b, ctx.inputs[:3]
+    b, (_data, indices, updates) = ctx.b, ctx.inputs[:3]
     axis, reduction = ctx.attrs["axis"], ctx.attrs["reduction"]
     if reduction not in ("none", "add"):
         raise ctx.fail(f"ScatterElements gradient with reduction={reduction!r} is not supported")
@@ -170,7 +170,7 @@ def scatter_elements_grad(ctx, dY):
 def scatter_nd_grad(ctx, dY):
     """ddata = dY with the overwritten positions zeroed (all of dY for reduction=add);
     dupdates = gathernd(dY, indices)"""
-    b, (data, indices, updates) = ctx.b, ctx.inputs[:3]
+    b, (_data, indices, updates) = ctx.b, ctx.inputs[:3]
     reduction = ctx.attrs["reduction"]
     if reduction not in ("none", "add"):
         raise ctx.fail(f"ScatterND gradient with reduction={reduction!r} is not supported")
@@ -195,7 +195,7 @@ def tile_grad(ctx, dY):
 def pad_grad(ctx, dY):
     """constant mode: dX = dY with the padding cut off (Pad by -pads); other modes: the
     padded copies scattered back to their sources"""
-    b, (X, pads, value, axes) = ctx.b, ctx.inputs[:4]
+    b, (X, pads, _value, axes) = ctx.b, ctx.inputs[:4]
     if ctx.attrs["mode"] != "constant":
         move = lambda positions: b.Pad(positions, pads, "", axes, mode=ctx.attrs["mode"])  # noqa: E731
         return (_through_positions(ctx, dY, move, duplicates=True),)
@@ -213,7 +213,7 @@ def pad_grad(ctx, dY):
 @gradient("Compress")
 def compress_grad(ctx, dY):
     """dX = dY scattered back to the kept positions, zeros elsewhere"""
-    b, (X, condition) = ctx.b, ctx.inputs[:2]
+    b, (_x, condition) = ctx.b, ctx.inputs[:2]
     axis = ctx.attrs.get("axis")
     move = lambda positions: b.Compress(positions, condition, axis=axis)  # noqa: E731
     return _through_positions(ctx, dY, move, duplicates=False), None
