@@ -19,12 +19,7 @@ import numpy as np
 import onnx
 
 from odt_ops import meta
-from odt_ops.api import (
-    ConstantLRScheduler,
-    CosineLRScheduler,
-    LinearLRScheduler,
-    LRScheduler,
-)
+from odt_ops.api import ConstantLRScheduler, CosineLRScheduler, LinearLRScheduler, LRScheduler
 from odt_ops.onnxblock import loss as losses
 from odt_ops.onnxblock import optim
 from pipeline.config import LossName, OptimizerName, ScheduleName

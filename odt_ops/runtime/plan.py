@@ -18,14 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from odt_ops.errors import (
-    InputError,
-    KernelError,
-    ModelCheckError,
-    OdtError,
-    UnsupportedOpError,
-    describe_arrays,
-)
+from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
 from odt_ops.runtime import fusion, inplace

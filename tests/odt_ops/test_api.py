@@ -12,13 +12,7 @@ import onnxruntime as ort
 import pytest
 
 from odt_ops import artifacts
-from odt_ops.api import (
-    CheckpointState,
-    LinearLRScheduler,
-    Module,
-    Optimizer,
-    TrainingDivergedError,
-)
+from odt_ops.api import CheckpointState, LinearLRScheduler, Module, Optimizer, TrainingDivergedError
 from odt_ops.errors import CheckpointError
 from tests.odt_ops.models import classification_data, mlp
 

@@ -7,13 +7,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from odt_ops.checkpoint import (
-    Checkpoint,
-    OptimizerState,
-    check_matches,
-    load_checkpoint,
-    save_checkpoint,
-)
+from odt_ops.checkpoint import Checkpoint, OptimizerState, check_matches, load_checkpoint, save_checkpoint
 from odt_ops.errors import CheckpointError
 
 RNG = np.random.default_rng(0)

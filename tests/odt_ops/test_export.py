@@ -10,14 +10,7 @@ import pytest
 from odt_ops import artifacts
 from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import load_checkpoint
-from odt_ops.export import (
-    ModelDiffError,
-    aggregate,
-    apply_diff,
-    load_diff,
-    model_diff,
-    save_diff,
-)
+from odt_ops.export import ModelDiffError, aggregate, apply_diff, load_diff, model_diff, save_diff
 from tests.odt_ops.models import classification_data, cnn
 
 

@@ -15,12 +15,7 @@ from onnx import helper
 
 from odt_ops.errors import GradientError, UnsupportedOpError
 from odt_ops.grad import build_gradients, missing_gradients, registered_gradients
-from tests.odt_ops.gradcheck import (
-    check_gradients,
-    error_report,
-    make_model,
-    with_projection_loss,
-)
+from tests.odt_ops.gradcheck import check_gradients, error_report, make_model, with_projection_loss
 
 SETTINGS = settings(deadline=None, max_examples=8, database=None, suppress_health_check=list(HealthCheck))
 FEW = settings(SETTINGS, max_examples=4)

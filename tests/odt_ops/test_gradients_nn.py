@@ -18,16 +18,7 @@ from onnx import helper, numpy_helper
 
 from odt_ops.grad import build_gradients
 from odt_ops.kernels.conv import _geometry, _window_counts
-from tests.odt_ops.gradcheck import (
-    EXECUTORS,
-    check_gradients,
-    compile_model,
-    error_report,
-    make_model,
-    numeric_gradients,
-    training_model,
-    with_projection_loss,
-)
+from tests.odt_ops.gradcheck import EXECUTORS, check_gradients, compile_model, error_report, make_model, numeric_gradients, training_model, with_projection_loss
 
 SETTINGS = settings(deadline=None, max_examples=8, database=None, suppress_health_check=list(HealthCheck))
 FEW = settings(SETTINGS, max_examples=4)

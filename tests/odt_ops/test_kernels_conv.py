@@ -255,12 +255,7 @@ def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, s
     general separable path, on ties, NaNs (two payloads), -0.0 and infinities, with cropped edges;
     and the same in batch slices."""
     import odt_ops.kernels.conv as conv_kernels
-    from odt_ops.kernels.conv import (
-        _lowest,
-        _max_with_indices,
-        _pad_for_windows,
-        _pool_geometry,
-    )
+    from odt_ops.kernels.conv import _lowest, _max_with_indices, _pad_for_windows, _pool_geometry
 
     rng = np.random.default_rng(sum(spatial) * 31 + sum(kernel) * 7 + storage_order)
     for trial in range(6):

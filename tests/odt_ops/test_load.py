@@ -9,13 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import odt_ops
-from odt_ops.errors import (
-    InputError,
-    KernelError,
-    ModelCheckError,
-    ModelLoadError,
-    UnsupportedOpError,
-)
+from odt_ops.errors import InputError, KernelError, ModelCheckError, ModelLoadError, UnsupportedOpError
 
 RNG = np.random.default_rng(0)
 

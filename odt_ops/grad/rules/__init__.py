@@ -1,11 +1,2 @@
 """Gradient rules, one module per op family (mirroring odt_ops.kernels); importing registers them."""
-from odt_ops.grad.rules import (  # noqa: F401
-    conv,
-    elementwise,
-    linalg,
-    loss,
-    nn,
-    normalization,
-    reduce,
-    shape,
-)
+from odt_ops.grad.rules import conv, elementwise, linalg, loss, nn, normalization, reduce, shape  # noqa: F401
