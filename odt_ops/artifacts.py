@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import fnmatch
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,8 +28,9 @@ from odt_ops.checkpoint import Checkpoint, save_checkpoint
 from odt_ops.errors import ArtifactError, UnsupportedOpError
 from odt_ops.grad.build import missing_gradients
 from odt_ops.ir.builder import GraphBuilder
-from odt_ops.ir.load import ModelSource, load_model, save_model
-from odt_ops.ir.model import TARGET_IR_VERSION, Model
+from odt_ops.ir.load import ModelSource, load_model, read_model, save_model
+from odt_ops.ir.lowering import lower_opset
+from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model
 from odt_ops.onnxblock import Block, base, optim
 from odt_ops.onnxblock import loss as losses
 from odt_ops.onnxblock.blocks import PassThrough
@@ -131,13 +133,20 @@ def generate_artifacts(
     additional_output_names: Sequence[str] | None = None,
     nominal_checkpoint: bool = False,
     loss_input_names: Sequence[str] | None = None,
+    *,
+    opset: int | None = None,
 ) -> dict[str, Path]:
     """Write the training artifacts for ``model``; returns the written paths by kind.
 
     The parameters are ONNX Runtime's, in its order. ``ort_format`` and ``custom_op_library``
-    exist so ported calls run; only their defaults can be honoured (see _refuse_ort_only)."""
+    exist so ported calls run; only their defaults can be honoured (see _refuse_ort_only).
+    ``opset`` is the opset the artifacts are written at: by default the base model's, as
+    ONNX Runtime does (or our own, 21, with a warning saying why, when the model cannot be
+    expressed at it); given explicitly, a model that cannot be expressed at it is an error."""
     _refuse_ort_only(ort_format, custom_op_library)
-    forward = load_model(model)
+    raw = read_model(model)
+    base_opset = raw.opset
+    forward = load_model(raw)
     split = classify_parameters(forward, requires_grad, frozen_params)
     missing = missing_gradients(forward, split.trainable)
     if missing:  # every node at once, before anything is built
@@ -155,6 +164,7 @@ def generate_artifacts(
     models = {"training_model": train_model, "eval_model": eval_model}
     if opt is not None:
         models["optimizer_model"] = build_optimizer_model(opt, {n: arrays[n] for n in split.trainable})
+    models = _at_opset(models, opset if opset is not None else base_opset, explicit=opset is not None, prefix=prefix)
     paths = {}
     for kind, proto in models.items():  # written only once every model is built and checked
         paths[kind] = out_dir / f"{prefix}{kind}.onnx"
@@ -171,6 +181,18 @@ def generate_artifacts(
         paths["nominal_checkpoint"] = out_dir / f"{prefix}nominal_checkpoint"
         save_checkpoint(ckpt, paths["nominal_checkpoint"])
     return paths
+
+
+def _at_opset(models: dict[str, onnx.ModelProto], target: int, *, explicit: bool, prefix: str) -> dict[str, onnx.ModelProto]:
+    """Every model at ``target``, or (when the target was only the default) all at ours."""
+    try:
+        return {kind: lower_opset(proto, target, f"{prefix}{kind}.onnx") for kind, proto in models.items()}
+    except ArtifactError as exc:
+        if explicit:
+            raise
+        warnings.warn(f"the artifacts are written at opset {TARGET_OPSET}, not at the base model's opset {target}: {exc}",
+                      stacklevel=3)
+        return models
 
 
 def _refuse_ort_only(ort_format: bool, custom_op_library) -> None:
