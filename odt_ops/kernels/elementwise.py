@@ -111,6 +111,16 @@ def div(A, B):
     return (np.divide(A, B),)
 
 
+@kernel("Mod", since=10)
+def mod(A, B, *, fmod=0):
+    # fmod=1: C's fmod, the sign of the dividend; fmod=0: the sign of the divisor, as Python's %
+    # (the spec asks fmod=1 of floats, yet its own tests and onnx.reference give floats % too)
+    if fmod:
+        return (np.fmod(A, B),)
+    with np.errstate(divide="ignore"):  # x mod 0 is undefined; numpy gives 0 and a warning
+        return (np.remainder(A, B),)
+
+
 def _int_power(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
     """Integer power; a negative exponent truncates 1/x**|y| toward zero, as C's cast of pow does."""
     if Y.dtype.kind == "u" or not (Y < 0).any():

@@ -165,6 +165,17 @@ def test_binary_broadcasting(op, pair, seed, batch):
     check("elementwise", node(op, ["A", "B"]), {"A": a, "B": b}, symbolic=symbolic)
 
 
+@SETTINGS
+@given(shape=shapes(), seed=seeds(), fmod=st.sampled_from([0, 1]))
+def test_mod_away_from_its_jumps(shape, seed, fmod):
+    """Mod jumps where A/B is a whole number; A is drawn so that A/B keeps a fractional part
+    in [0.2, 0.8], where finite differences are exact (both the C and the Python remainder)."""
+    rng = np.random.default_rng(seed)
+    b = rng.uniform(0.5, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
+    quotient = rng.integers(-3, 4, shape) + rng.uniform(0.2, 0.8, shape) * rng.choice([-1.0, 1.0], shape)
+    check("elementwise", node("Mod", ["A", "B"], fmod=fmod), {"A": quotient * b, "B": b})
+
+
 @pytest.mark.parametrize("op", ["Sum", "Mean", "Max", "Min"])
 @SETTINGS
 @given(pair=broadcast_pair(max_rank=3), n=st.integers(1, 3), seed=seeds())

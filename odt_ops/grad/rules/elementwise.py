@@ -41,6 +41,20 @@ def div_grad(ctx, dY):
     return dA, b.Neg(b.Mul(dA, Y)) if ctx.needs(1) else None
 
 
+@gradient("Mod", broadcasting=True)
+def mod_grad(ctx, dY):
+    """Y = A - q * B with q = trunc(A / B) (fmod=1) or floor(A / B) (fmod=0): dA = dY, dB = -dY * q"""
+    b, (A, B) = ctx.b, ctx.inputs[:2]
+    dB = None
+    if ctx.needs(1):
+        quotient = b.Div(A, B)
+        whole = b.Floor(quotient)
+        if ctx.attrs["fmod"]:
+            whole = b.Where(b.Less(quotient, ctx.const(0, like=A)), b.Ceil(quotient), whole)
+        dB = b.Neg(b.Mul(dY, whole))
+    return (dY if ctx.needs(0) else None, dB)
+
+
 @gradient("Pow", broadcasting=True)
 def pow_grad(ctx, dY):
     """dA = dY * B * A^(B-1), dB = dY * Y * log(A) (0 where A <= 0)"""
