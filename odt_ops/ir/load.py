@@ -119,12 +119,14 @@ def _weights_aside(model: Model) -> Iterator[None]:
         kept.append(copy)
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in held)
+    declared = {i.name for i in graph.input}  # IR 3 lists initializers among the graph inputs already
+    stand_ins = {t.name for t in held if t.name not in declared}
+    graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in held if t.name in stand_ins)
     try:
         yield
     finally:
         graph = model.graph  # a pass may have replaced the proto
-        inputs = [i for i in graph.input if i.name not in names]
+        inputs = [i for i in graph.input if i.name not in stand_ins]
         del graph.input[:]
         graph.input.extend(inputs)
         graph.initializer.extend(held)

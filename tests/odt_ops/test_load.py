@@ -187,3 +187,34 @@ def test_folding_keeps_the_users_weights():
     model = odt_ops.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
     assert [t.name for t in model.graph.initializer] == ["w"]
     assert [n.op_type for n in model.graph.node] == ["Transpose", "MatMul"]
+
+
+def test_ir3_models_whose_initializers_are_graph_inputs_load_and_train(tmp_path):
+    """The older model zoo's layout: IR 3, every initializer also declared as a graph input,
+    weights large enough to be set aside during the C++ passes. It passes onnx.checker and runs
+    on onnxruntime, so it must load, and train from the same values onnxruntime computes with."""
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    rng = np.random.default_rng(3)
+    weights = {"W": rng.standard_normal((200, 100)).astype(np.float32), "b": rng.standard_normal(100).astype(np.float32)}
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], "zoo",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 200]),
+         *(helper.make_tensor_value_info(n, TensorProto.FLOAT, list(a.shape)) for n, a in weights.items())],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 100])],
+        [numpy_helper.from_array(a, n) for n, a in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)])
+    model.ir_version = 3
+    onnx.checker.check_model(model)
+    x = rng.standard_normal((2, 200)).astype(np.float32)
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    normalized = odt_ops.load_model(model)
+    assert [i.name for i in normalized.graph.input] == ["x"]
+    artifacts.generate_artifacts(model, requires_grad=["W", "b"], loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=tmp_path, additional_output_names=["y"], opset=21)
+    module = Module(tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint"),
+                    tmp_path / "eval_model.onnx").eval()
+    _, y = module(x, np.zeros_like(expected))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
