@@ -210,13 +210,41 @@ def complete_output_types(model: Model) -> bool:
     return changed
 
 
+# ops whose output has its first input's type and shape, for which onnx's shape inference
+# gives nothing (GroupNormalization-21 has no inference function): without the type, no
+# gradient downstream can be unbroadcast
+SAME_TYPE_AS_INPUT = frozenset({"GroupNormalization"})
+
+
 def infer_shapes(model: Model) -> bool:
     try:
         inferred = onnx.shape_inference.infer_shapes(model.proto, check_type=True, strict_mode=True, data_prop=True)
+        if _complete_same_type_outputs(inferred.graph):  # then propagate the types they give
+            inferred = onnx.shape_inference.infer_shapes(inferred, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise ModelCheckError(f"{model.source}: shape inference failed: {exc}") from None
     model.proto = inferred
     return True
+
+
+def _complete_same_type_outputs(graph: onnx.GraphProto) -> bool:
+    known = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output) if v.type.HasField("tensor_type")}
+    changed = False
+    for node in graph.node:
+        if node.op_type not in SAME_TYPE_AS_INPUT or not node.output or node.input[0] not in known:
+            continue
+        out = node.output[0]
+        if out in known and known[out].type.tensor_type.HasField("shape"):
+            continue
+        source = known[node.input[0]]
+        existing = next((v for v in (*graph.value_info, *graph.output) if v.name == out), None)
+        if existing is None:
+            existing = graph.value_info.add()
+            existing.name = out
+        existing.type.CopyFrom(source.type)
+        known[out] = existing
+        changed = True
+    return changed
 
 
 def prune_unused(model: Model) -> bool:

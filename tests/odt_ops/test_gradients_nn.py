@@ -492,3 +492,34 @@ def test_cnn_against_torch_autograd():
 def test_cnn_on_onnxruntime():
     model, feeds = cnn(np.float32, np.random.default_rng(1))
     ort_matches_plan(model, feeds)
+
+
+def test_group_normalization_21_feeding_a_broadcast_trains_as_pytorch(tmp_path):
+    """onnx infers no output type for GroupNormalization-21; the broadcasting Add after it needs
+    one to unbroadcast its gradient. The loader gives Y the type of X, as the spec defines it."""
+    torch = pytest.importorskip("torch", reason="PyTorch (the dev extra) is the oracle here")
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    rng = np.random.default_rng(0)
+    weights = {"scale": rng.standard_normal(4), "bias": rng.standard_normal(4), "shift": rng.standard_normal((4, 1, 1))}
+    weights = {n: a.astype(np.float32) for n, a in weights.items()}
+    graph = helper.make_graph(
+        [helper.make_node("GroupNormalization", ["x", "scale", "bias"], ["g"], num_groups=2, epsilon=1e-5),
+         helper.make_node("Add", ["g", "shift"], ["y"])], "gn",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 4, 3, 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 4, 3, 3])],
+        [numpy_helper.from_array(a, n) for n, a in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    artifacts.generate_artifacts(model, requires_grad=list(weights), loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    x, target = rng.standard_normal((2, 4, 3, 3)).astype(np.float32), rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    loss = Module(tmp_path / "training_model.onnx", state)(x, target)
+
+    t = {n: torch.tensor(a, requires_grad=True) for n, a in weights.items()}
+    y = torch.nn.functional.group_norm(torch.tensor(x), 2, t["scale"], t["bias"], eps=1e-5) + t["shift"]
+    want = torch.nn.functional.mse_loss(y, torch.tensor(target))
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    for name, p in t.items():
+        np.testing.assert_allclose(state.parameters[name].grad, p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
