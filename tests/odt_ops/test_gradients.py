@@ -537,6 +537,17 @@ def test_gather_nd(shape, seed, data):
 
 
 @SETTINGS
+@given(batch=shapes(1, 2, max_side=3), rest=shapes(1, 2), seed=seeds(), data=st.data())
+def test_gather_nd_with_batch_dims(batch, rest, seed, data):
+    rng = np.random.default_rng(seed)
+    k = data.draw(st.integers(1, len(rest)))
+    n = data.draw(st.integers(1, 3))
+    indices = np.stack([rng.integers(0, rest[i], (*batch, n)) for i in range(k)], axis=-1).astype(np.int64)
+    check("shape", node("GatherND", ["X", "I"], batch_dims=len(batch)), {"X": normal(rng, (*batch, *rest)), "I": indices},
+          symbolic={"X", "I"})  # the batch dim symbolic, as in a real model
+
+
+@SETTINGS
 @given(shape=shapes(1, 3), seed=seeds(), reduction=st.sampled_from(["none", "add"]), data=st.data())
 def test_scatter_elements(shape, seed, reduction, data):
     rng = np.random.default_rng(seed)
@@ -743,11 +754,12 @@ def test_missing_rules_are_listed_all_at_once():
 
 
 def test_rule_failures_are_listed_all_at_once():
-    nodes = [node("GatherND", ["X", "I"], ["A"], batch_dims=1), node("GatherND", ["X", "I"], ["B"], batch_dims=1), node("Add", ["A", "B"])]
-    model = make_model(nodes, {"X": np.ones((2, 3)), "I": np.zeros((2, 1), np.int64)})
+    # Resize is differentiated only for constant scales; here they are computed
+    nodes = [node("Abs", ["S"], ["T"]), node("Resize", ["X", "", "T"], ["A"]), node("Resize", ["X", "", "T"], ["B"]), node("Add", ["A", "B"])]
+    model = make_model(nodes, {"X": np.ones((1, 1, 2, 2)), "S": np.full(4, 2.0)})
     with pytest.raises(GradientError) as info:
         build_gradients(model, "Y", ["X"])
-    assert "GatherND_A" in str(info.value) and "GatherND_B" in str(info.value)
+    assert "Resize_A" in str(info.value) and "Resize_B" in str(info.value)
 
 
 def test_off_path_nodes_need_no_rule():

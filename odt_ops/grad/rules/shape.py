@@ -8,6 +8,7 @@ edge/wrap modes, Tile with run-time repeats, Compress, ReverseSequence).
 from __future__ import annotations
 
 import numpy as np
+import onnx
 
 from odt_ops.grad.registry import gradient
 
@@ -146,11 +147,24 @@ def gather_elements_grad(ctx, dY):
 
 @gradient("GatherND")
 def gather_nd_grad(ctx, dY):
-    """dX = scatter-add of dY at the index tuples"""
-    X, indices = ctx.inputs[:2]
-    if ctx.attrs["batch_dims"]:
-        raise ctx.fail("GatherND gradient with batch_dims > 0 is not supported")
-    return ctx.b.ScatterND(ctx.zeros_like(X), indices, dY, reduction="add"), None
+    """dX = scatter-add of dY at the index tuples; with batch_dims = n, each tuple is first
+    prefixed with the coordinates of its batch position (the n leading dims), which makes it a
+    plain batch_dims=0 index into X"""
+    b, (X, indices) = ctx.b, ctx.inputs[:2]
+    n = ctx.attrs["batch_dims"]
+    if n:
+        q = ctx.rank(indices)
+        grid = b.Slice(ctx.shape_of(indices), ctx.ints([0]), ctx.ints([q - 1]))  # indices.shape[:-1]
+        grid = b.Concat(grid, ctx.ints([1]), axis=0)
+        coordinates = []
+        for axis in range(n):
+            size = b.Slice(ctx.shape_of(X), ctx.ints([axis]), ctx.ints([axis + 1]))
+            steps = b.Range(ctx.ints(0), b.Squeeze(size, ctx.ints([0])), ctx.ints(1))
+            along = [1] * q
+            along[axis] = -1
+            coordinates.append(b.Expand(b.Reshape(steps, ctx.ints(along)), grid))
+        indices = b.Concat(*coordinates, b.Cast(indices, to=onnx.TensorProto.INT64), axis=-1)
+    return b.ScatterND(ctx.zeros_like(X), indices, dY, reduction="add"), None
 
 
 @gradient("ScatterElements")
