@@ -6,6 +6,8 @@ the numpy engine). Batch broadcasting is undone by the walker.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from odt_ops.grad.registry import gradient
 
 
@@ -71,9 +73,13 @@ def einsum_grad(ctx, dY):
         if not ctx.needs(i):
             grads.append(None)
             continue
-        term = terms[i]
-        if len(set(term)) != len(term):
-            raise ctx.fail(f"Einsum gradient with a repeated label in operand {i} ({''.join(term)}) is not supported")
+        full_term = terms[i]
+        # a repeated label reads a diagonal: differentiate as if the operand were that diagonal
+        # (each label once), then put the gradient back on the diagonal
+        term = list(dict.fromkeys(full_term))
+        if len(term) != len(full_term) and "..." in full_term:
+            raise ctx.fail(f"Einsum gradient with a repeated label and an ellipsis in operand {i} is not supported")
+        first = [full_term.index(label) for label in term]
         others = [t for j, t in enumerate(terms) if j != i]
         available = set(out).union(*others) if others else set(out)
         kept = [label for label in term if label in available]
@@ -85,9 +91,33 @@ def einsum_grad(ctx, dY):
         if kept != term:
             if "..." in term:
                 raise ctx.fail("Einsum gradient with both an ellipsis and labels summed out of one operand is not supported")
-            g = b.Expand(b.Unsqueeze(g, ctx.ints([k for k, label in enumerate(term) if label not in available])), ctx.shape_of(X))
+            shape = ctx.shape_of(X) if term == full_term else b.Gather(ctx.shape_of(X), ctx.ints(first), axis=0)
+            g = b.Expand(b.Unsqueeze(g, ctx.ints([k for k, label in enumerate(term) if label not in available])), shape)
+        if term != full_term:
+            g = _onto_diagonal(ctx, g, term, full_term, X)
         grads.append(g)
     return tuple(grads)
+
+
+def _onto_diagonal(ctx, g: str, term: list[str], full_term: list[str], X: str) -> str:
+    """dX for an operand read along a diagonal: ``g`` (labelled ``term``, each label once) times
+    an identity matrix for every repeat of a label, which is zero off the diagonal."""
+    b = ctx.b
+    letters = iter(c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in set(full_term) | set(term))
+    renamed, eyes, eye_terms, seen = [], [], [], set()
+    for position, label in enumerate(full_term):
+        if label not in seen:
+            seen.add(label)
+            renamed.append(label)
+            continue
+        fresh = next(letters)
+        size = b.Slice(ctx.shape_of(X), ctx.ints([position]), ctx.ints([position + 1]))
+        square = b.ConstantOfShape(b.Concat(size, size, axis=0), value=np.zeros(1, dtype=ctx.dtype(X)))
+        eyes.append(b.EyeLike(square))
+        eye_terms.append(label + fresh)
+        renamed.append(fresh)
+    spec = ",".join(["".join(term), *eye_terms]) + "->" + "".join(renamed)
+    return b.Einsum(g, *eyes, equation=spec)
 
 
 def _parse_einsum(ctx, equation: str) -> tuple[list[list[str]], list[str]]:
