@@ -1,4 +1,5 @@
-"""Command line: ``python -m odt_ops check MODEL`` and ``python -m odt_ops demo``."""
+"""Command line: ``python -m odt_ops check MODEL``, ``python -m odt_ops demo`` and
+``python -m odt_ops import-ort ORT_DIR OUT_DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,23 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if err < 1e-4 else 1
 
 
+def import_ort(args: argparse.Namespace) -> int:
+    """Regenerate ONNX Runtime's training artifacts as ours, its checkpoint's values and optimizer state included."""
+    from odt_ops.ort_import.artifacts import read_ort_artifacts, write_artifacts
+
+    ort = read_ort_artifacts(args.ort_dir, args.checkpoint, args.prefix)
+    ckpt = ort.checkpoint
+    opt = ckpt.optimizer
+    print(f"{args.ort_dir}: loss {ort.loss_kind} on {ort.loss_inputs}, optimizer "
+          f"{ort.optimizer.kind if ort.optimizer else 'none'}, {len(ort.trainable)} trainable and {len(ort.frozen)} frozen "
+          f"parameters{' (nominal)' if ckpt.nominal else ''}"
+          + (f", optimizer step {opt.step} at learning rate {opt.learning_rate:g}" if opt else ""))
+    paths = write_artifacts(ort, args.out_dir, args.prefix)
+    for kind, path in paths.items():
+        print(f"  {kind}: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m odt_ops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="run a zoo network shipped with onnx and compare with onnxruntime")
     p.add_argument("--model", default="squeezenet", help="one of the onnx wheel's light zoo models (default: squeezenet)")
     p.set_defaults(func=demo)
+    p = sub.add_parser("import-ort", help="turn an onnxruntime-training artifact directory and checkpoint into odt_ops artifacts")
+    p.add_argument("ort_dir", help="directory with onnxruntime's eval_model.onnx, optimizer_model.onnx and checkpoint")
+    p.add_argument("out_dir", help="directory to write the odt_ops artifacts and checkpoint to")
+    p.add_argument("--checkpoint", help="onnxruntime checkpoint file to import (default: ORT_DIR/checkpoint)")
+    p.add_argument("--prefix", default="", help="file name prefix of the artifacts (generate_artifacts' prefix)")
+    p.set_defaults(func=import_ort)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -19,7 +19,8 @@ that offset (ONNX Runtime does this for checkpoints too large for one FlatBuffer
 
 ONNX Runtime saves the initial learning rate, not the current one, and resumes at the
 initial one; so does the Checkpoint returned here. Its AdamW moments ``momentum0`` and
-``momentum1`` get our AdamW's state names. Anything malformed raises CheckpointError
+``momentum1`` get our AdamW's state names (ONNX Runtime's SGD keeps an unused ``momentum0``,
+which keeps its name). Anything malformed raises CheckpointError
 naming the file and the fault.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -59,29 +61,38 @@ def is_ort_checkpoint(path: str | os.PathLike) -> bool:
     return len(head) == 8 and head[4:8] == IDENTIFIER
 
 
-def read_ort_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read an ONNX Runtime checkpoint file (and its ``.data`` file, when it has one)."""
+def read_ort_checkpoint(path: str | os.PathLike, shapes: Mapping[str, Sequence[int] | None] | None = None) -> Checkpoint:
+    """Read an ONNX Runtime checkpoint file (and its ``.data`` file, when it has one).
+
+    ONNX Runtime writes a nominal checkpoint's tensors without their shapes; ``shapes``
+    (e.g. the static shapes of the eval model's parameter inputs) gives them. Without it a
+    nominal parameter's spec has the shape the file records, which is ``()``."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the ONNX Runtime checkpoint: {exc.strerror or exc}") from None
-    return parse_ort_checkpoint(data, str(path), external_data=path.with_name(path.name + EXTERNAL_DATA_SUFFIX))
+    return parse_ort_checkpoint(data, str(path), external_data=path.with_name(path.name + EXTERNAL_DATA_SUFFIX), shapes=shapes)
 
 
-def parse_ort_checkpoint(data: bytes, source: str = "<ONNX Runtime checkpoint>",
-                         external_data: str | os.PathLike | None = None) -> Checkpoint:
+def parse_ort_checkpoint(data: bytes, source: str = "<ONNX Runtime checkpoint>", external_data: str | os.PathLike | None = None,
+                         shapes: Mapping[str, Sequence[int] | None] | None = None) -> Checkpoint:
     """Parse checkpoint bytes; ``source`` names them in errors, ``external_data`` is the
     file holding the bytes of tensors stored outside the FlatBuffer."""
     reader = _Reader(source, external_data)
     try:
-        return reader.checkpoint(Buffer(data))
+        ckpt = reader.checkpoint(Buffer(data))
     except Malformed as exc:
         raise CheckpointError(f"{source}: not a valid ONNX Runtime checkpoint: {exc}") from None
     except (struct.error, IndexError, ValueError, OverflowError, UnicodeDecodeError) as exc:  # a check this reader lacks
         raise CheckpointError(f"{source}: not a valid ONNX Runtime checkpoint: {type(exc).__name__}: {exc}") from None
     finally:
         reader.close()
+    for name in ckpt.missing:
+        shape = (shapes or {}).get(name)
+        if shape is not None and ckpt.specs[name][0] == ():  # the file's own shape, where it has one, stands
+            ckpt.specs[name] = (tuple(int(d) for d in shape), ckpt.specs[name][1])
+    return ckpt
 
 
 class _Reader:
@@ -151,9 +162,12 @@ class _Reader:
             if ckpt.parameters and param not in ckpt.parameters:
                 raise Malformed(f"optimizer state for {param!r}, which is not a parameter of the checkpoint")
             moments = state.states[param] = {}
-            for tensor in entry.tables(1, "momentums") or []:
-                name, array, _ = self.tensor(tensor, nominal=False)
-                ours = ORT_STATE_NAMES.get(name, name)
+            tensors = [self.tensor(tensor, nominal=False)[:2] for tensor in entry.tables(1, "momentums") or []]
+            # AdamW's pair gets our AdamW's names; a lone momentum0 is the one ONNX Runtime keeps
+            # (unused) for SGD and keeps its name
+            adamw = set(ORT_STATE_NAMES) <= {name for name, _ in tensors}
+            for name, array in tensors:
+                ours = ORT_STATE_NAMES.get(name, name) if adamw else name
                 if ours in moments:
                     raise Malformed(f"optimizer state {name!r} of {param!r} appears twice")
                 shape = ckpt.spec(param)[0] if param in ckpt.parameters else array.shape

@@ -35,6 +35,8 @@ class Buffer:
     def identifier(self) -> bytes:
         if self.size < 8:
             raise Malformed(f"{self.size} bytes is too short for a FlatBuffer header (8 bytes)")
+        if self.size % 4:  # a builder pads the whole buffer to its alignment, 4 bytes at least
+            raise Malformed(f"its size, {self.size} bytes, is not a multiple of 4: the file is truncated or extended")
         return bytes(self.data[4:8])
 
     def root(self) -> "Table":
@@ -146,8 +148,10 @@ class Table:
 
 def _string_at(buf: Buffer, pos: int, what: str) -> str:
     n = buf._unpack(_U32, pos, f"{what}'s length")
-    if pos + 4 + n > buf.size:
+    if pos + 4 + n >= buf.size:  # the terminating NUL included
         raise Malformed(f"{what}: a {n}-byte string at byte {pos} runs past the {buf.size}-byte buffer")
+    if buf.data[pos + 4 + n] != 0:
+        raise Malformed(f"{what}: the string at byte {pos} lacks its terminating NUL")
     try:
         return bytes(buf.data[pos + 4 : pos + 4 + n]).decode("utf-8")
     except UnicodeDecodeError:

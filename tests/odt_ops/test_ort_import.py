@@ -1,0 +1,274 @@
+"""Importing ONNX Runtime's on-device training state: its checkpoint file and artifact directory.
+
+The fixtures (tests/fixtures/ort/, written by scripts/make_ort_fixtures.py with
+onnxruntime-training 1.19.2, which CI does not have) hold ONNX Runtime's artifacts, the
+checkpoint it saved after a few steps, and what it did when it resumed from that
+checkpoint: the batches, losses, eval loss and final parameters. Our import, trained on
+the same batches, must do the same to float32 rounding.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from odt_ops.__main__ import main
+from odt_ops.api import CheckpointState, Module, Optimizer
+from odt_ops.checkpoint import load_checkpoint
+from odt_ops.errors import ArtifactError, CheckpointError
+from odt_ops.ort_import import is_ort_checkpoint, parse_ort_checkpoint, read_ort_checkpoint
+from odt_ops.ort_import.artifacts import import_ort_artifacts, read_ort_artifacts
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "ort"
+NAMES = ("mlp", "cnn", "mlp_external")
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def expected(name: str) -> tuple[dict, dict[str, np.ndarray]]:
+    info = json.loads((FIXTURES / name / "expected.json").read_text())
+    with np.load(FIXTURES / name / "expected.npz", allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    return info, arrays
+
+
+def prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+# ------------------------------------------------------------------------------------------- the checkpoint reader
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reader_gives_onnxruntimes_parameters_and_optimizer_state(name):
+    info, arrays = expected(name)
+    path = FIXTURES / name / "checkpoint"
+    assert is_ort_checkpoint(path)
+    ckpt = read_ort_checkpoint(path)
+    saved = prefixed(arrays, "saved/")
+    assert sorted(ckpt.parameters) == sorted(saved)
+    for n, want in saved.items():
+        np.testing.assert_array_equal(ckpt.parameters[n], want, err_msg=n)
+        assert ckpt.parameters[n].dtype == want.dtype
+    assert not ckpt.nominal
+    opt = ckpt.optimizer
+    assert opt.step == info.get("warmup_steps", 4)
+    assert opt.learning_rate == opt.initial_learning_rate == pytest.approx(info["resumed_learning_rate"])
+    trainable = sorted(n for n, grad in ckpt.requires_grad.items() if grad)
+    assert sorted(opt.states) == trainable
+    if "trainable" in info:
+        assert trainable == sorted(info["trainable"])
+        assert sorted(n for n, grad in ckpt.requires_grad.items() if not grad) == sorted(info["frozen"])
+    for param, states in opt.states.items():
+        names = {"exp_avg", "exp_avg_sq"} if info["optimizer"] == "AdamW" else {"momentum0"}
+        assert set(states) == names, param
+        for array in states.values():
+            assert array.shape == ckpt.parameters[param].shape
+
+
+def test_reader_reads_the_property_bag():
+    info, _ = expected("mlp")
+    props = read_ort_checkpoint(FIXTURES / "mlp" / "checkpoint").properties
+    assert props == info["properties"] == {"epoch": 2, "best_accuracy": 0.75, "run": "fixture"}
+    assert isinstance(props["epoch"], int) and isinstance(props["best_accuracy"], float)
+
+
+def test_external_data_reads_as_the_same_checkpoint(tmp_path):
+    inline = read_ort_checkpoint(FIXTURES / "mlp" / "checkpoint")
+    external = read_ort_checkpoint(FIXTURES / "mlp_external" / "checkpoint")
+    assert external.parameters.keys() == inline.parameters.keys()
+    for n in inline.parameters:
+        np.testing.assert_array_equal(external.parameters[n], inline.parameters[n])
+        for s, a in inline.optimizer.states[n].items() if n in inline.optimizer.states else ():
+            np.testing.assert_array_equal(external.optimizer.states[n][s], a)
+    # without its .data file, or with a short one, the checkpoint cannot be read
+    shutil.copy(FIXTURES / "mlp_external" / "checkpoint", tmp_path / "checkpoint")
+    with pytest.raises(CheckpointError, match="external data file"):
+        read_ort_checkpoint(tmp_path / "checkpoint")
+    data = (FIXTURES / "mlp_external" / "checkpoint.data").read_bytes()
+    (tmp_path / "checkpoint.data").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="past the end"):
+        read_ort_checkpoint(tmp_path / "checkpoint")
+
+
+def test_nominal_checkpoint_reads_as_nominal():
+    _, arrays = expected("mlp")
+    saved = prefixed(arrays, "saved/")
+    path = FIXTURES / "mlp" / "nominal_checkpoint"
+    ckpt = read_ort_checkpoint(path)
+    assert ckpt.nominal and ckpt.missing == set(saved)
+    assert all(a.size == 0 for a in ckpt.parameters.values())
+    # ONNX Runtime writes nominal tensors without shapes; the eval model's inputs give them
+    ckpt = read_ort_artifacts(FIXTURES / "mlp", checkpoint=path).checkpoint
+    for n, want in saved.items():
+        assert ckpt.spec(n) == (want.shape, want.dtype)
+    assert ckpt.optimizer is None
+
+
+def test_import_of_a_nominal_checkpoint_is_nominal(tmp_path):
+    _, arrays = expected("mlp")
+    assert main(["import-ort", str(FIXTURES / "mlp"), str(tmp_path), "--checkpoint", str(FIXTURES / "mlp" / "nominal_checkpoint")]) == 0
+    ours = load_checkpoint(tmp_path / "checkpoint")
+    assert ours.nominal
+    for n, want in prefixed(arrays, "saved/").items():
+        assert ours.spec(n) == (want.shape, want.dtype)
+
+
+def test_reader_errors_name_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere"):
+        read_ort_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        read_ort_checkpoint(tmp_path)
+    ours = tmp_path / "ours"
+    shutil.copy(FIXTURES / "mlp" / "checkpoint", ours)
+    data = bytearray(ours.read_bytes())
+    data[4:8] = b"ORTM"
+    ours.write_bytes(bytes(data))
+    assert not is_ort_checkpoint(ours)
+    with pytest.raises(CheckpointError, match=rf"{ours}.*identifier"):
+        read_ort_checkpoint(ours)
+
+
+# ------------------------------------------------------------------------------------------- damaged files
+
+
+def _variants(data: bytes, seed: int, count: int):
+    """Truncations, flipped bytes, a wrong identifier, spliced garbage: every kind of damage
+    a file copied off a device may have, seeded so a failure reproduces."""
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        kind = i % 5
+        b = bytearray(data)
+        if kind == 0:
+            yield "truncated", bytes(b[: int(rng.integers(0, len(b)))])
+        elif kind == 1:
+            for pos in rng.integers(0, len(b), int(rng.integers(1, 5))):
+                b[pos] ^= int(rng.integers(1, 256))
+            yield "flipped", bytes(b)
+        elif kind == 2:
+            b[4 + int(rng.integers(0, 4))] ^= int(rng.integers(1, 256))
+            yield "identifier", bytes(b)
+        elif kind == 3:  # a damaged offset or length word: the likeliest way to point out of bounds
+            pos = int(rng.integers(0, len(b) - 4)) & ~3
+            b[pos : pos + 4] = int(rng.integers(0, 2**32)).to_bytes(4, "little")
+            yield "word", bytes(b)
+        else:
+            pos = int(rng.integers(0, len(b)))
+            yield "spliced", bytes(b[:pos] + rng.bytes(int(rng.integers(1, 64)) * 4) + b[pos:])
+
+
+@pytest.mark.parametrize("name", ["mlp/checkpoint", "cnn/checkpoint", "mlp/nominal_checkpoint", "mlp_external/checkpoint"])
+def test_damaged_checkpoints_raise_checkpoint_error_only(name):
+    path = FIXTURES / name
+    data = path.read_bytes()
+    external = path.with_name(path.name + ".data")
+    raised = {}
+    for i, (kind, damaged) in enumerate(_variants(data, seed=len(name), count=300)):
+        try:
+            parse_ort_checkpoint(damaged, f"variant{i}", external_data=external if external.exists() else None)
+        except CheckpointError as exc:
+            assert f"variant{i}" in str(exc)
+            raised[kind] = raised.get(kind, 0) + 1
+            continue
+        except Exception as exc:  # noqa: BLE001 - the point: nothing but CheckpointError escapes
+            pytest.fail(f"{name} variant {i} ({kind}) raised {type(exc).__name__}: {exc}")
+        assert kind not in ("truncated", "identifier"), f"{name} variant {i} ({kind}) was read as a checkpoint"
+    assert raised.get("truncated") == raised.get("identifier") == 60
+
+
+def test_damaged_external_data_is_a_checkpoint_error(tmp_path):
+    shutil.copy(FIXTURES / "mlp_external" / "checkpoint", tmp_path / "checkpoint")
+    (tmp_path / "checkpoint.data").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="checkpoint.data"):
+        read_ort_checkpoint(tmp_path / "checkpoint")
+
+
+# ------------------------------------------------------------------------------------------- import-ort
+
+
+def _continue_training(out: Path, arrays: dict[str, np.ndarray], steps: int):
+    state = CheckpointState.load_checkpoint(str(out / "checkpoint"))
+    module = Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+    optimizer = Optimizer(str(out / "optimizer_model.onnx"), module)
+    module.train()
+    losses = []
+    for i in range(steps):
+        losses.append(float(module(arrays[f"batch{i}.x"], arrays[f"batch{i}.y"])))
+        optimizer.step()
+        module.lazy_reset_grad()
+    module.eval()
+    eval_loss = float(module(arrays["eval.x"], arrays["eval.y"]))
+    return state, optimizer, losses, eval_loss
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_ort_continues_where_onnxruntime_stopped(name, tmp_path, capsys):
+    info, arrays = expected(name)
+    assert main(["import-ort", str(FIXTURES / name), str(tmp_path)]) == 0
+    assert info["loss"] in capsys.readouterr().out
+    state, optimizer, losses, eval_loss = _continue_training(tmp_path, arrays, info["steps"])
+    assert optimizer.optimizer.kind == info["optimizer"]
+    assert optimizer.get_learning_rate() == pytest.approx(info["resumed_learning_rate"])
+    np.testing.assert_allclose(losses, info["losses"], rtol=RTOL)
+    np.testing.assert_allclose(eval_loss, info["eval_loss"], rtol=RTOL)
+    ckpt = state.checkpoint
+    final = prefixed(arrays, "final/")
+    assert sorted([*ckpt.parameters, *ckpt.buffers]) == sorted(final)
+    for n, want in final.items():
+        got = ckpt.parameters.get(n, ckpt.buffers.get(n))
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=n)
+    # the parameters moved: the comparison is not of the checkpoint with itself
+    saved = prefixed(arrays, "saved/")
+    assert any(not np.array_equal(saved[n], final[n]) for n in final)
+    assert ckpt.optimizer.step == info.get("warmup_steps", 4) + info["steps"]
+
+
+def test_import_keeps_names_loss_optimizer_and_properties(tmp_path):
+    info, _ = expected("mlp")
+    ort = read_ort_artifacts(FIXTURES / "mlp")
+    assert ort.loss_kind == "CrossEntropyLoss" and ort.loss_inputs == ["output"]
+    assert sorted(ort.trainable) == sorted(info["trainable"]) and ort.frozen == info["frozen"]
+    hp = info["hyperparameters"]
+    opt = ort.optimizer
+    assert opt.kind == "AdamW" and opt.mode == "ort"
+    np.testing.assert_allclose([*opt.betas, opt.eps, opt.weight_decay, opt.max_norm],
+                               [*hp["betas"], hp["eps"], hp["weight_decay"], hp["max_norm"]], rtol=1e-6)
+    assert read_ort_artifacts(FIXTURES / "cnn").loss_kind == "MSELoss"
+    import_ort_artifacts(FIXTURES / "mlp", tmp_path)
+    ours = load_checkpoint(tmp_path / "checkpoint")
+    assert ours.properties == info["properties"]
+    assert [n for n in ours.parameters if ours.requires_grad[n]] == sorted(info["trainable"])
+
+
+def test_import_refuses_what_it_cannot_carry_over(tmp_path):
+    import onnx
+
+    ort_dir = tmp_path / "ort"
+    shutil.copytree(FIXTURES / "mlp", ort_dir)
+    model = onnx.load(str(ort_dir / "optimizer_model.onnx"))
+    for node in model.graph.node:
+        if node.op_type == "AdamWOptimizer":
+            node.op_type = "LambOptimizer"
+    onnx.save(model, str(ort_dir / "optimizer_model.onnx"))
+    with pytest.raises(ArtifactError, match="LambOptimizer"):
+        read_ort_artifacts(ort_dir)
+    for node in model.graph.node:
+        if node.op_type == "LambOptimizer":
+            node.op_type = "AdamWOptimizer"
+            next(a for a in node.attribute if a.name == "correct_bias").i = 0
+    onnx.save(model, str(ort_dir / "optimizer_model.onnx"))
+    with pytest.raises(ArtifactError, match="correct_bias"):
+        read_ort_artifacts(ort_dir)
+    assert main(["import-ort", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+
+
+def test_engine_reads_onnxruntime_checkpoints_without_the_flatbuffers_package():
+    code = ("import sys; sys.modules['flatbuffers'] = None; sys.modules['onnxruntime'] = None\n"
+            "from odt_ops.ort_import import read_ort_checkpoint\n"
+            f"print(sorted(read_ort_checkpoint({str(FIXTURES / 'mlp' / 'checkpoint')!r}).parameters))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "fc1.weight" in out
