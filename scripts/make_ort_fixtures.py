@@ -12,7 +12,9 @@ pickles) and the scalars in ``expected.json``.
 Directories written:
   mlp/           8-16-4 MLP, CrossEntropyLoss, AdamW (weight decay, clipping); a property bag;
                  its nominal checkpoint as ``nominal_checkpoint``
-  cnn/           Conv + BatchNormalization + Gemm, MSELoss, SGD
+  cnn/           Conv + BatchNormalization + Gemm, MSELoss, SGD, the logits as an additional output
+  losses/KIND/   a small MLP with each of ONNX Runtime's losses (eval and optimizer models and the
+                 checkpoint only): one training step's loss, the parameters after it (learning rate 0.5) and the eval loss
   mlp_external/  the MLP's trained checkpoint rewritten with its tensors in ``checkpoint.data``
                  (the layout ONNX Runtime 1.19 uses for large checkpoints; built with the
                  flatbuffers bindings ONNX Runtime ships, and checked by loading it in
@@ -110,11 +112,16 @@ def _session(directory: Path, checkpoint: Path):
     return state, module, api.Optimizer(str(directory / "optimizer_model.onnx"), module)
 
 
+def _loss(result) -> float:
+    """The loss of a Module call (the first output when there are additional outputs)."""
+    return float(result[0] if isinstance(result, (list, tuple)) else result)
+
+
 def _train(module, optimizer, batches) -> list[float]:
     module.train()
     losses = []
     for x, y in batches:
-        losses.append(float(module(x, y)))
+        losses.append(_loss(module(x, y)))
         optimizer.step()
         module.lazy_reset_grad()
     return losses
@@ -134,7 +141,7 @@ def record(name: str, directory: Path, checkpoint: Path, batch, seed: int, extra
     lr = optimizer.get_learning_rate()
     losses = _train(module, optimizer, batches)
     module.eval()
-    eval_loss = float(module(*eval_batch))
+    eval_loss = _loss(module(*eval_batch))
     arrays = {}
     for i, (x, y) in enumerate(batches):
         arrays[f"batch{i}.x"], arrays[f"batch{i}.y"] = x, y
@@ -149,12 +156,14 @@ def record(name: str, directory: Path, checkpoint: Path, batch, seed: int, extra
 
 
 def build(name: str, model, requires_grad, frozen, loss, optimizer, batch, seed: int, *, warmup_steps: int,
-          properties: dict | None = None, nominal: bool = False, extra: dict | None = None) -> Path:
+          properties: dict | None = None, nominal: bool = False, extra: dict | None = None,
+          additional_outputs: list[str] | None = None) -> Path:
     directory = OUT / name
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     artifacts.generate_artifacts(model, requires_grad=requires_grad, frozen_params=frozen, loss=loss, optimizer=optimizer,
-                                 artifact_directory=str(directory), nominal_checkpoint=nominal)
+                                 artifact_directory=str(directory), nominal_checkpoint=nominal,
+                                 additional_output_names=additional_outputs)
     rng = np.random.default_rng(seed + 100)
     state, module, opt = _session(directory, directory / "checkpoint")
     opt.set_learning_rate(0.05)  # a resumed ONNX Runtime run restarts at the initial rate: the fixture shows it
@@ -243,6 +252,43 @@ def external_copy(source: Path, name: str, seed: int, batch, extra: dict) -> Non
     record(name, directory, directory / "checkpoint", batch, seed, extra)
 
 
+def small_mlp() -> onnx.ModelProto:
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array((rng.standard_normal((3, 5)) * 0.8).astype(np.float32), "fc.weight"),
+             numpy_helper.from_array((rng.standard_normal(3) * 0.2).astype(np.float32), "fc.bias")]
+    nodes = [helper.make_node("Gemm", ["input", "fc.weight", "fc.bias"], ["logits"], transB=1, name="fc"),
+             helper.make_node("Tanh", ["logits"], ["output"], name="tanh")]
+    return _model(nodes, [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 5])],
+                  [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 3])], inits)
+
+
+def loss_zoo() -> None:
+    """Each of ONNX Runtime's loss blocks as it writes it into the eval model; what it computes."""
+    rng = np.random.default_rng(30)
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    targets = {"MSELoss": rng.standard_normal((4, 3)).astype(np.float32),
+               "L1Loss": rng.standard_normal((4, 3)).astype(np.float32),
+               "BCEWithLogitsLoss": (rng.random((4, 3)) > 0.5).astype(np.float32),
+               "CrossEntropyLoss": rng.integers(0, 3, 4).astype(np.int64)}
+    for kind, y in targets.items():
+        directory = OUT / "losses" / kind
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        artifacts.generate_artifacts(small_mlp(), requires_grad=["fc.weight", "fc.bias"], loss=getattr(artifacts.LossType, kind),
+                                     optimizer=artifacts.OptimType.SGD, artifact_directory=str(directory))
+        state, module, optimizer = _session(directory, directory / "checkpoint")
+        optimizer.set_learning_rate(0.5)  # one visible step (the checkpoint is not saved again)
+        module.eval()
+        eval_loss = _loss(module(x, y))
+        (train_loss,) = _train(module, optimizer, [(x, y)])
+        (directory / "training_model.onnx").unlink()  # the import does not read it; the fixtures stay small
+        stepped = {f"final/{n}": a for n, a in _parameters(state).items()}
+        np.savez(directory / "expected.npz", allow_pickle=False, x=x, y=y, **stepped)
+        info = {"onnxruntime": onnxruntime.__version__, "loss": kind, "eval_loss": eval_loss, "train_loss": train_loss}
+        (directory / "expected.json").write_text(json.dumps(info, indent=1) + "\n")
+        print(f"losses/{kind}: eval {eval_loss:.6f}, train {train_loss:.6f}")
+
+
 def main() -> None:
     print(f"onnxruntime {onnxruntime.__version__}")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -256,7 +302,9 @@ def main() -> None:
                         properties={"epoch": 2, "best_accuracy": 0.75, "run": "fixture"}, extra=mlp_extra)
         build("cnn", cnn(), ["conv.weight", "conv.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias"],
               ["bn.running_mean", "bn.running_var"], artifacts.LossType.MSELoss, artifacts.OptimType.SGD, cnn_batch, seed=20,
-              warmup_steps=3, extra={"loss": "MSELoss", "optimizer": "SGD"})
+              warmup_steps=3, extra={"loss": "MSELoss", "optimizer": "SGD", "additional_outputs": ["output"]},
+              additional_outputs=["output"])
+        loss_zoo()
         external_copy(mlp_dir, "mlp_external", seed=10, batch=mlp_batch, extra={**mlp_extra, "external_data": True})
     total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
     print(f"{OUT}: {total / 1024:.1f} KiB")

@@ -182,7 +182,7 @@ def _split_loss(model: onnx.ModelProto, params: set[str], where: str) -> dict:
     kind, block, forward_output, target = found
     if target in params or target not in {i.name for i in graph.input}:
         raise ArtifactError(f"{where}: the {kind} block's target {target!r} is not a data input of the eval model")
-    extra = [o for o in outputs[1:] if o != forward_output]
+    extra = outputs[1:]  # additional_output_names, which may name the loss's input too
     return {"kind": kind, "block": _Loss(block, target), "forward_outputs": [forward_output], "extra": extra, "target": target}
 
 
@@ -241,7 +241,7 @@ def _bce(neg: onnx.NodeProto, made_by, const, reduction: str, weight):
 def _forward_model(model: onnx.ModelProto, ckpt: Checkpoint, loss: dict, where: str) -> onnx.ModelProto:
     """The nodes the forward outputs depend on, the parameters back as initializers."""
     graph = model.graph
-    wanted = [*loss["forward_outputs"], *loss["extra"]]
+    wanted = list(dict.fromkeys([*loss["forward_outputs"], *loss["extra"]]))
     producer = {o: n for n in graph.node for o in n.output if o}
     needed: set[str] = set()
     stack = list(wanted)

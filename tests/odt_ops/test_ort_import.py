@@ -190,6 +190,11 @@ def test_damaged_external_data_is_a_checkpoint_error(tmp_path):
 # ------------------------------------------------------------------------------------------- import-ort
 
 
+def _loss(result) -> float:
+    """A Module call's loss: its only output, or the first when there are additional outputs."""
+    return float(result[0] if isinstance(result, (list, tuple)) else result)
+
+
 def _continue_training(out: Path, arrays: dict[str, np.ndarray], steps: int):
     state = CheckpointState.load_checkpoint(str(out / "checkpoint"))
     module = Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
@@ -197,11 +202,11 @@ def _continue_training(out: Path, arrays: dict[str, np.ndarray], steps: int):
     module.train()
     losses = []
     for i in range(steps):
-        losses.append(float(module(arrays[f"batch{i}.x"], arrays[f"batch{i}.y"])))
+        losses.append(_loss(module(arrays[f"batch{i}.x"], arrays[f"batch{i}.y"])))
         optimizer.step()
         module.lazy_reset_grad()
     module.eval()
-    eval_loss = float(module(arrays["eval.x"], arrays["eval.y"]))
+    eval_loss = _loss(module(arrays["eval.x"], arrays["eval.y"]))
     return state, optimizer, losses, eval_loss
 
 
@@ -225,6 +230,41 @@ def test_import_ort_continues_where_onnxruntime_stopped(name, tmp_path, capsys):
     saved = prefixed(arrays, "saved/")
     assert any(not np.array_equal(saved[n], final[n]) for n in final)
     assert ckpt.optimizer.step == info.get("warmup_steps", 4) + info["steps"]
+
+
+def test_additional_outputs_stay_outputs(tmp_path):
+    info, arrays = expected("cnn")
+    ort = read_ort_artifacts(FIXTURES / "cnn")
+    assert ort.additional_outputs == info["additional_outputs"] == ["output"]
+    import_ort_artifacts(FIXTURES / "cnn", tmp_path)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    module.eval()
+    loss, logits = module(arrays["eval.x"], arrays["eval.y"])
+    assert logits.shape == (len(arrays["eval.x"]), 3)
+    np.testing.assert_allclose(loss, np.mean((logits - arrays["eval.y"]) ** 2), rtol=RTOL)
+
+
+@pytest.mark.parametrize("kind", ["MSELoss", "L1Loss", "BCEWithLogitsLoss", "CrossEntropyLoss"])
+def test_each_onnxruntime_loss_is_recognised_and_computes_the_same(kind, tmp_path):
+    directory = FIXTURES / "losses" / kind
+    info = json.loads((directory / "expected.json").read_text())
+    with np.load(directory / "expected.npz", allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    ort = read_ort_artifacts(directory)
+    assert ort.loss_kind == kind and ort.loss_inputs == ["output"]
+    import_ort_artifacts(directory, tmp_path)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    optimizer = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    module.eval()
+    np.testing.assert_allclose(_loss(module(arrays["x"], arrays["y"])), info["eval_loss"], rtol=RTOL)
+    module.train()
+    np.testing.assert_allclose(_loss(module(arrays["x"], arrays["y"])), info["train_loss"], rtol=RTOL)
+    optimizer.set_learning_rate(0.5)  # as the fixture's one step
+    optimizer.step()
+    for n, want in prefixed(arrays, "final/").items():  # the loss's gradient is ONNX Runtime's
+        np.testing.assert_allclose(state.checkpoint.parameters[n], want, rtol=RTOL, atol=ATOL, err_msg=n)
 
 
 def test_import_keeps_names_loss_optimizer_and_properties(tmp_path):
