@@ -30,7 +30,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from odt_ops.artifacts import generate_artifacts
-from odt_ops.checkpoint import Checkpoint, OptimizerState, load_checkpoint, save_checkpoint
+from odt_ops.checkpoint import Checkpoint, OptimizerState, check_matches, load_checkpoint, save_checkpoint
 from odt_ops.errors import ArtifactError, CheckpointError, ModelLoadError
 from odt_ops.onnxblock import Block, optim
 from odt_ops.onnxblock import loss as losses
@@ -81,6 +81,9 @@ def read_ort_artifacts(ort_dir: str | os.PathLike, checkpoint: str | os.PathLike
     absent = [n for n in ckpt.parameters if n not in inputs]
     if absent:
         raise ArtifactError(f"{ckpt_path}: parameters {absent} are not inputs of {eval_path}; the checkpoint is not of these artifacts")
+    declared = {i.name: (shapes[i.name], helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
+                for i in eval_model.graph.input if i.name in ckpt.parameters and shapes[i.name] is not None}
+    check_matches(ckpt, declared, f"{ckpt_path} (against {eval_path.name})")
     loss_info = _split_loss(eval_model, set(ckpt.parameters), str(eval_path))
     forward = _forward_model(eval_model, ckpt, loss_info, str(eval_path))
     opt_path = ort_dir / f"{prefix}optimizer_model.onnx"

@@ -40,8 +40,8 @@ from odt_ops.ort_import.flatbuffer import Buffer, Malformed, Table
 
 IDENTIFIER = b"ODTC"
 EXTERNAL_DATA_SUFFIX = ".data"
-# versions ONNX Runtime has written: 1 (1.14), 2 (nominal state, 1.17), 3 (external data, 1.19)
-KNOWN_VERSIONS = range(1, 4)
+# the versions ONNX Runtime has written: 1, and 2 (is_nominal_state); external data came without a new version
+KNOWN_VERSIONS = range(1, 3)
 
 # ONNX Runtime's AdamWOptimizer state names -> ours (first and second moments, in that order)
 ORT_STATE_NAMES = dict(zip(("momentum0", "momentum1"), optim.AdamW().state_names))

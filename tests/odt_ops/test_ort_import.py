@@ -114,8 +114,30 @@ def test_import_of_a_nominal_checkpoint_is_nominal(tmp_path):
     assert main(["import-ort", str(FIXTURES / "mlp"), str(tmp_path), "--checkpoint", str(FIXTURES / "mlp" / "nominal_checkpoint")]) == 0
     ours = load_checkpoint(tmp_path / "checkpoint")
     assert ours.nominal
-    for n, want in prefixed(arrays, "saved/").items():
+    saved = prefixed(arrays, "saved/")
+    for n, want in saved.items():
         assert ours.spec(n) == (want.shape, want.dtype)
+    # filled with the trained values, as ONNX Runtime's nominal checkpoints are, it computes ONNX Runtime's loss
+    info, _ = expected("mlp")
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    order = [n for n in ours.parameters if ours.requires_grad[n]] + [n for n in ours.parameters if not ours.requires_grad[n]]
+    module.copy_buffer_to_parameters(np.concatenate([saved[n].ravel() for n in order]), trainable_only=False)
+    module.train()
+    np.testing.assert_allclose(_loss(module(arrays["batch0.x"], arrays["batch0.y"])), info["losses"][0], rtol=RTOL)
+
+
+def test_a_checkpoint_of_other_artifacts_is_refused(tmp_path):
+    with pytest.raises(ArtifactError, match="not inputs of"):
+        read_ort_artifacts(FIXTURES / "mlp", checkpoint=FIXTURES / "cnn" / "checkpoint")
+    import onnx
+
+    shutil.copytree(FIXTURES / "losses" / "MSELoss", tmp_path / "ort")
+    model = onnx.load(str(tmp_path / "ort" / "eval_model.onnx"))
+    next(i for i in model.graph.input if i.name == "fc.weight").type.tensor_type.shape.dim[0].dim_value = 4
+    onnx.save(model, str(tmp_path / "ort" / "eval_model.onnx"))
+    with pytest.raises(CheckpointError, match=r"fc.weight: checkpoint has float32\[3, 5\], the model needs float32\[4, 5\]"):
+        read_ort_artifacts(tmp_path / "ort")
 
 
 def test_reader_errors_name_the_file(tmp_path):
