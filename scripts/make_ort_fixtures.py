@@ -292,20 +292,19 @@ def loss_zoo() -> None:
 def main() -> None:
     print(f"onnxruntime {onnxruntime.__version__}")
     OUT.mkdir(parents=True, exist_ok=True)
-    if True:
-        adamw = onnxblock.optim.AdamW(betas=(0.85, 0.99), eps=1e-7, weight_decay=0.02, clip_grad=onnxblock.optim.ClipGradNorm(2.5))
-        mlp_extra = {"loss": "CrossEntropyLoss", "optimizer": "AdamW", "trainable": ["fc1.weight", "fc1.bias", "fc2.weight"],
-                     "frozen": ["fc2.bias"], "hyperparameters": {"betas": [0.85, 0.99], "eps": 1e-7, "weight_decay": 0.02,
-                                                                  "max_norm": 2.5}}
-        mlp_dir = build("mlp", mlp(), ["fc1.weight", "fc1.bias", "fc2.weight"], ["fc2.bias"], artifacts.LossType.CrossEntropyLoss,
-                        adamw, mlp_batch, seed=10, warmup_steps=4, nominal=True,
-                        properties={"epoch": 2, "best_accuracy": 0.75, "run": "fixture"}, extra=mlp_extra)
-        build("cnn", cnn(), ["conv.weight", "conv.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias"],
-              ["bn.running_mean", "bn.running_var"], artifacts.LossType.MSELoss, artifacts.OptimType.SGD, cnn_batch, seed=20,
-              warmup_steps=3, extra={"loss": "MSELoss", "optimizer": "SGD", "additional_outputs": ["output"]},
-              additional_outputs=["output"])
-        loss_zoo()
-        external_copy(mlp_dir, "mlp_external", seed=10, batch=mlp_batch, extra={**mlp_extra, "external_data": True})
+    adamw = onnxblock.optim.AdamW(betas=(0.85, 0.99), eps=1e-7, weight_decay=0.02, clip_grad=onnxblock.optim.ClipGradNorm(2.5))
+    mlp_extra = {"loss": "CrossEntropyLoss", "optimizer": "AdamW", "trainable": ["fc1.weight", "fc1.bias", "fc2.weight"],
+                 "frozen": ["fc2.bias"], "hyperparameters": {"betas": [0.85, 0.99], "eps": 1e-7, "weight_decay": 0.02,
+                                                              "max_norm": 2.5}}
+    mlp_dir = build("mlp", mlp(), ["fc1.weight", "fc1.bias", "fc2.weight"], ["fc2.bias"], artifacts.LossType.CrossEntropyLoss,
+                    adamw, mlp_batch, seed=10, warmup_steps=4, nominal=True,
+                    properties={"epoch": 2, "best_accuracy": 0.75, "run": "fixture"}, extra=mlp_extra)
+    build("cnn", cnn(), ["conv.weight", "conv.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias"],
+          ["bn.running_mean", "bn.running_var"], artifacts.LossType.MSELoss, artifacts.OptimType.SGD, cnn_batch, seed=20,
+          warmup_steps=3, extra={"loss": "MSELoss", "optimizer": "SGD", "additional_outputs": ["output"]},
+          additional_outputs=["output"])
+    loss_zoo()
+    external_copy(mlp_dir, "mlp_external", seed=10, batch=mlp_batch, extra={**mlp_extra, "external_data": True})
     total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
     print(f"{OUT}: {total / 1024:.1f} KiB")
 

@@ -68,6 +68,9 @@ def read_ort_checkpoint(path: str | os.PathLike, shapes: Mapping[str, Sequence[i
     (e.g. the static shapes of the eval model's parameter inputs) gives them. Without it a
     nominal parameter's spec has the shape the file records, which is ``()``."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a directory; ONNX Runtime's checkpoint (1.14 and later) is one FlatBuffer file, "
+                              "e.g. ARTIFACT_DIR/checkpoint (the protobuf directories of earlier releases are not read)")
     try:
         data = path.read_bytes()
     except OSError as exc:

@@ -143,7 +143,7 @@ def test_a_checkpoint_of_other_artifacts_is_refused(tmp_path):
 def test_reader_errors_name_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="nowhere"):
         read_ort_checkpoint(tmp_path / "nowhere")
-    with pytest.raises(CheckpointError, match="cannot read"):
+    with pytest.raises(CheckpointError, match="a directory"):
         read_ort_checkpoint(tmp_path)
     ours = tmp_path / "ours"
     shutil.copy(FIXTURES / "mlp" / "checkpoint", ours)
