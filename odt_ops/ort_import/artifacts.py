@@ -82,7 +82,8 @@ def read_ort_artifacts(ort_dir: str | os.PathLike, checkpoint: str | os.PathLike
     if absent:
         raise ArtifactError(f"{ckpt_path}: parameters {absent} are not inputs of {eval_path}; the checkpoint is not of these artifacts")
     declared = {i.name: (shapes[i.name], helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
-                for i in eval_model.graph.input if i.name in ckpt.parameters and shapes[i.name] is not None}
+                for i in eval_model.graph.input if i.name in ckpt.parameters and shapes[i.name] is not None
+                and _numeric(i.type.tensor_type.elem_type)}
     check_matches(ckpt, declared, f"{ckpt_path} (against {eval_path.name})")
     loss_info = _split_loss(eval_model, set(ckpt.parameters), str(eval_path))
     forward = _forward_model(eval_model, ckpt, loss_info, str(eval_path))
@@ -127,6 +128,13 @@ def _load(path: Path) -> onnx.ModelProto:
                             "optimizer_model.onnx and checkpoint") from None
     except Exception as exc:  # protobuf's DecodeError and friends
         raise ModelLoadError(f"{path}: cannot be read as an ONNX model: {exc}") from None
+
+
+def _numeric(elem_type: int) -> bool:
+    try:
+        return helper.tensor_dtype_to_np_dtype(elem_type).kind in "biufc"
+    except KeyError:  # UNDEFINED, or a type this onnx does not know
+        return False
 
 
 def _static_shape(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
