@@ -171,6 +171,9 @@ def unique_node_names(model: Model) -> bool:
 def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
     """Give every data input of rank >= 2 a symbolic first dimension, so one model
     serves every batch size; output shapes are then re-inferred."""
+    if any(v.type.tensor_type.HasField("shape") and len(v.type.tensor_type.shape.dim) >= 2
+           and v.type.tensor_type.shape.dim[0].dim_param != name for v in model.graph.input):
+        _resize_sizes_keep_batch(model)
     changed = False
     for value in model.graph.input:
         tt = value.type.tensor_type
@@ -189,6 +192,38 @@ def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
                 tt.shape.dim[0].Clear()
                 tt.shape.dim[0].dim_param = name
     return changed
+
+
+def _resize_sizes_keep_batch(model: Model) -> None:
+    """Exporters compute a Resize's ``sizes`` from the input's shape, so once folded they hold
+    the batch size the model was exported with; with a symbolic batch that would resize the
+    batch. Where ``sizes`` keeps the batch as it was, the Resize names its other axes instead
+    (the ``axes`` attribute, opset 18) and the batch passes through whatever its size."""
+    resizes = [n for n in model.graph.node if n.op_type == "Resize" and len(n.input) > 3 and n.input[3]]
+    constants = {t.name: t for t in model.graph.initializer}
+    resizes = [n for n in resizes if n.input[3] in constants and not any(a.name == "axes" for a in n.attribute)]
+    if not resizes or model.opset < 18:
+        return
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model.proto).graph
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+        return
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+              for v in (*inferred.input, *inferred.value_info) if v.type.tensor_type.HasField("shape")}
+    taken = {t.name for t in model.graph.initializer}
+    for node in resizes:
+        sizes = numpy_helper.to_array(constants[node.input[3]])
+        shape = shapes.get(node.input[0])
+        if shape is None or len(shape) != sizes.size or shape[0] is None or int(sizes[0]) != shape[0]:
+            continue
+        fresh = f"{node.input[3]}/without_batch"
+        while fresh in taken:
+            fresh += "_"
+        taken.add(fresh)
+        model.graph.initializer.append(numpy_helper.from_array(sizes[1:].astype(np.int64), fresh))
+        node.input[3] = fresh
+        node.attribute.append(onnx.helper.make_attribute("axes", list(range(1, sizes.size))))
+    model.forget_arrays()
 
 
 def complete_output_types(model: Model) -> bool:

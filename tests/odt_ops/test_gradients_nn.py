@@ -523,3 +523,45 @@ def test_group_normalization_21_feeding_a_broadcast_trains_as_pytorch(tmp_path):
     np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
     for name, p in t.items():
         np.testing.assert_allclose(state.parameters[name].grad, p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("exporter", [17, 20, "dynamo"])
+def test_resize_to_sizes_exported_with_a_fixed_batch_trains_at_any_batch(tmp_path, exporter):
+    """F.interpolate(size=...) exports a Resize whose sizes, once folded, hold the export's batch
+    size. The batch is symbolic once loaded, so the Resize must leave it alone: the loss and the
+    gradients at another batch size equal PyTorch's."""
+    torch = pytest.importorskip("torch", reason="PyTorch (the dev extra) is the oracle here")
+    import io
+    import warnings
+
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    class Upsampler(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Linear(3 * 8 * 8, 2)
+
+        def forward(self, x):
+            return self.head(torch.nn.functional.interpolate(self.conv(x), size=(8, 8), mode="bilinear").flatten(1))
+
+    torch.manual_seed(0)
+    net = Upsampler()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":  # it bakes the batch into its Reshapes as well: trained at the export's batch
+            model, batch = torch.onnx.export(net, (torch.randn(1, 2, 4, 4),), dynamo=True, input_names=["x"], verbose=False).model_proto, 1
+        else:
+            buffer = io.BytesIO()
+            torch.onnx.export(net, (torch.randn(1, 2, 4, 4),), buffer, opset_version=exporter, input_names=["x"], dynamo=False)
+            model, batch = onnx.load_from_string(buffer.getvalue()), 3
+    artifacts.generate_artifacts(model, requires_grad=["conv.weight", "head.weight"], loss=artifacts.LossType.CrossEntropyLoss,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    x, y = torch.randn(batch, 2, 4, 4), torch.randint(0, 2, (batch,))
+    loss = Module(tmp_path / "training_model.onnx", state)(x.numpy(), y.numpy())
+    want = torch.nn.functional.cross_entropy(net(x), y)
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    for name in ("conv.weight", "head.weight"):
+        np.testing.assert_allclose(state.parameters[name].grad, dict(net.named_parameters())[name].grad.numpy(), rtol=1e-4, atol=1e-6)
