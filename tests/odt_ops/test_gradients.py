@@ -577,6 +577,41 @@ def test_scatter_nd(shape, seed, data):
     check("shape", node("ScatterND", ["X", "I", "U"]), {"X": normal(rng, shape), "I": indices, "U": normal(rng, (n, *shape[1:]))})
 
 
+def spaced(rng, shape, offset=0.0):
+    """Values at least 0.05 apart (no tie within a finite-difference step), away from 0."""
+    size = int(np.prod(shape))
+    return (rng.permutation(size) * 0.05 + 0.5 + offset).reshape(shape) * rng.choice([-1.0, 1.0])
+
+
+@pytest.mark.parametrize("reduction", ["mul", "max", "min"])
+@SETTINGS
+@given(shape=shapes(1, 3), seed=seeds(), duplicates=st.booleans(), data=st.data())
+def test_scatter_elements_reductions(reduction, shape, seed, duplicates, data):
+    rng = np.random.default_rng(seed)
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    n = data.draw(st.integers(1, 3))
+    index_shape = (*shape[:axis], n, *shape[axis + 1:])
+    indices = rng.integers(0, shape[axis], index_shape) if duplicates else \
+        np.take(np.argsort(rng.random(shape), axis=axis), np.arange(min(n, shape[axis])), axis=axis)
+    indices = indices.astype(np.int64)
+    x = spaced(rng, shape)
+    u = spaced(rng, indices.shape, offset=0.025) if reduction != "mul" else rng.uniform(0.5, 1.5, indices.shape)
+    check("shape", node("ScatterElements", ["X", "I", "U"], axis=axis, reduction=reduction), {"X": x, "I": indices, "U": u})
+
+
+@pytest.mark.parametrize("reduction", ["add", "mul", "max", "min"])
+@SETTINGS
+@given(shape=shapes(1, 3), seed=seeds(), duplicates=st.booleans(), data=st.data())
+def test_scatter_nd_reductions(reduction, shape, seed, duplicates, data):
+    rng = np.random.default_rng(seed)
+    n = data.draw(st.integers(1, 3))
+    rows = rng.integers(0, shape[0], n) if duplicates else rng.permutation(shape[0])[:n]
+    indices = rows.reshape(-1, 1).astype(np.int64)
+    x = spaced(rng, shape)
+    u = spaced(rng, (len(rows), *shape[1:]), offset=0.025) if reduction != "mul" else rng.uniform(0.5, 1.5, (len(rows), *shape[1:]))
+    check("shape", node("ScatterND", ["X", "I", "U"], reduction=reduction), {"X": x, "I": indices, "U": u})
+
+
 @SETTINGS
 @given(shape=shapes(1, 3), seed=seeds(), runtime=st.booleans(), data=st.data())
 def test_tile(shape, seed, runtime, data):

@@ -169,28 +169,74 @@ def gather_nd_grad(ctx, dY):
 
 @gradient("ScatterElements")
 def scatter_elements_grad(ctx, dY):
-    """ddata = dY with the overwritten positions zeroed (all of dY for reduction=add);
-    dupdates = gather(dY, indices)"""
-    b, (_data, indices, updates) = ctx.b, ctx.inputs[:3]
-    axis, reduction = ctx.attrs["axis"], ctx.attrs["reduction"]
-    if reduction not in ("none", "add"):
-        raise ctx.fail(f"ScatterElements gradient with reduction={reduction!r} is not supported")
-    ddata = dY if reduction == "add" else b.ScatterElements(dY, indices, ctx.zeros_like(updates), axis=axis)
-    dupdates = b.GatherElements(dY, indices, axis=axis) if ctx.needs(2) else None
-    return ddata if ctx.needs(0) else None, None, dupdates
+    """see _scatter_grad; positions are element indices along ``axis``"""
+    axis = ctx.attrs["axis"]
+    return _scatter_grad(ctx, dY, lambda *a, **kw: ctx.b.ScatterElements(*a, axis=axis, **kw),
+                         lambda *a: ctx.b.GatherElements(*a, axis=axis))
 
 
 @gradient("ScatterND")
 def scatter_nd_grad(ctx, dY):
-    """ddata = dY with the overwritten positions zeroed (all of dY for reduction=add);
-    dupdates = gathernd(dY, indices)"""
-    b, (_data, indices, updates) = ctx.b, ctx.inputs[:3]
+    """see _scatter_grad; positions are index tuples"""
+    return _scatter_grad(ctx, dY, ctx.b.ScatterND, ctx.b.GatherND)
+
+
+def _scatter_grad(ctx, dY, scatter, gather):
+    """Y = data with the updates written (none), added (add), multiplied (mul) or maxed/minned in.
+
+    none: ddata = dY with the written positions zeroed, dupdates = dY there.
+    add: ddata = dY, dupdates = dY at their positions.
+    mul: ddata = dY * (product of the updates at the position); dupdates = dY * Y / update, or
+    exactly dY * data when the indices are constants hitting each position once.
+    max/min: the gradient goes to whatever equals the result, shared evenly among ties (as
+    torch's scatter_reduce amax/amin)."""
+    b, (data, indices, updates) = ctx.b, ctx.inputs[:3]
     reduction = ctx.attrs["reduction"]
-    if reduction not in ("none", "add"):
-        raise ctx.fail(f"ScatterND gradient with reduction={reduction!r} is not supported")
-    ddata = dY if reduction == "add" else b.ScatterND(dY, indices, ctx.zeros_like(updates))
-    dupdates = b.GatherND(dY, indices) if ctx.needs(2) else None
-    return ddata if ctx.needs(0) else None, None, dupdates
+    ddata = dupdates = None
+    if reduction == "none":
+        ddata = scatter(dY, indices, ctx.zeros_like(updates)) if ctx.needs(0) else None
+        dupdates = gather(dY, indices) if ctx.needs(2) else None
+    elif reduction == "add":
+        ddata = dY if ctx.needs(0) else None
+        dupdates = gather(dY, indices) if ctx.needs(2) else None
+    elif reduction == "mul":
+        Y = ctx.outputs[0]
+        if ctx.needs(0):
+            one = ctx.const(1, like=data)
+            ones = b.Add(ctx.zeros_like(data), one)
+            ddata = b.Mul(dY, scatter(ones, indices, updates, reduction="mul"))
+        if ctx.needs(2):
+            if _hits_each_position_once(ctx, indices):
+                dupdates = gather(b.Mul(dY, data), indices)
+            else:
+                dupdates = b.Div(gather(b.Mul(dY, Y), indices), updates)
+    elif reduction in ("max", "min"):
+        Y = ctx.outputs[0]
+        at_result = b.Cast(b.Equal(data, Y), to=_float_type(ctx, data))
+        updates_at_result = b.Cast(b.Equal(updates, gather(Y, indices)), to=_float_type(ctx, data))
+        ties = b.Add(at_result, scatter(ctx.zeros_like(data), indices, updates_at_result, reduction="add"))
+        share = b.Div(dY, ties)
+        ddata = b.Mul(share, at_result) if ctx.needs(0) else None
+        dupdates = b.Mul(gather(share, indices), updates_at_result) if ctx.needs(2) else None
+    else:
+        raise ctx.fail(f"{ctx.node.op_type} gradient with reduction={reduction!r} is not supported")
+    return ddata, None, dupdates
+
+
+def _float_type(ctx, name: str) -> int:
+    return onnx.helper.np_dtype_to_tensor_dtype(ctx.dtype(name))
+
+
+def _hits_each_position_once(ctx, indices: str) -> bool:
+    value = ctx.value(indices)
+    if value is None:
+        return False
+    rows = value.reshape(-1, value.shape[-1]) if ctx.node.op_type == "ScatterND" else None
+    if rows is not None:
+        return len({tuple(r) for r in rows}) == len(rows)
+    axis = ctx.attrs["axis"] % value.ndim
+    moved = np.moveaxis(value, axis, -1).reshape(-1, value.shape[axis])  # positions along axis, per line
+    return all(len(set(line)) == len(line) for line in moved)
 
 
 @gradient("Tile")
