@@ -114,7 +114,12 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike, *, include_
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint, verifying every member; tensors are memory-mapped read-only."""
+    """Read a checkpoint, verifying every member; tensors are memory-mapped read-only.
+    ONNX Runtime's training checkpoints (FlatBuffer "ODTC") are read too."""
+    from odt_ops.ort_import.checkpoint import is_ort_checkpoint, read_ort_checkpoint  # it builds on this module
+
+    if is_ort_checkpoint(path):
+        return read_ort_checkpoint(path)
     manifest, tensors = read_tensor_file(path, FORMAT, FORMAT_VERSION, CheckpointError, "checkpoint")
     ckpt = Checkpoint(properties=_mapping(manifest, "properties", path), engine=_mapping(manifest, "engine", path))
     _check_properties(ckpt.properties, str(path))

@@ -70,6 +70,15 @@ def test_reader_gives_onnxruntimes_parameters_and_optimizer_state(name):
             assert array.shape == ckpt.parameters[param].shape
 
 
+def test_checkpoint_state_loads_onnxruntime_checkpoints_as_they_are():
+    """CheckpointState.load_checkpoint takes ONNX Runtime's file itself, as ported code passes it."""
+    _, arrays = expected("mlp")
+    state = CheckpointState.load_checkpoint(FIXTURES / "mlp" / "checkpoint")
+    for name, parameter in state.parameters:
+        np.testing.assert_array_equal(parameter.data, prefixed(arrays, "saved/")[name], err_msg=name)
+    assert dict(state.properties) == {"epoch": 2, "best_accuracy": 0.75, "run": "fixture"}
+
+
 def test_reader_reads_the_property_bag():
     info, _ = expected("mlp")
     props = read_ort_checkpoint(FIXTURES / "mlp" / "checkpoint").properties
