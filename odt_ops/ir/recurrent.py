@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from odt_ops.errors import ModelCheckError
 from odt_ops.ir.attributes import node_attributes
@@ -65,6 +66,7 @@ def unroll_recurrent(model: Model) -> bool:
     taken |= {o for n in graph.node for o in (*n.input, *n.output)} | {n.name for n in graph.node}
     read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
     b = GraphBuilder(taken=taken, opset=model.opset, types=types, constants=constants)
+    initializers = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
     nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(graph.node):
         if not _is_recurrent(node):
@@ -72,7 +74,7 @@ def unroll_recurrent(model: Model) -> bool:
             continue
         start = len(b.nodes)
         with b.scope(node.name or f"{node.op_type}_{index}"):
-            _Unroller(b, node, model.source, read).emit()
+            _Unroller(b, node, model.source, read, initializers).emit()
         nodes.extend(b.nodes[start:])
     if model.proto.ir_version < 4:  # IR 3 types initializers only as graph inputs: constants are nodes
         nodes[:0] = [onnx.helper.make_node("Constant", [], [t.name], name=b.fresh(f"{t.name}/Constant", scoped=False), value=t)
@@ -131,7 +133,8 @@ Activation = Callable[[str], str]
 class _Unroller:
     """Emits the standard-op equivalent of one recurrent node into a GraphBuilder."""
 
-    def __init__(self, b: GraphBuilder, node: onnx.NodeProto, source: str, read: set[str]):
+    def __init__(self, b: GraphBuilder, node: onnx.NodeProto, source: str, read: set[str],
+                 initializers: dict[str, onnx.TensorProto]):
         self.b, self.node, self.source = b, node, source
         self.op = node.op_type
         self.attrs = node_attributes(node)
@@ -139,6 +142,12 @@ class _Unroller:
         self.X, self.W, self.R, self.B, self.lens, self.h0, self.c0, self.P = names[:8]
         if self.op != "LSTM":
             self.c0 = self.P = ""
+        # exporters write the zero initial state of a fixed batch size as a constant: without it
+        # the step needs no state at t=0 and the model serves any batch size
+        for attr in ("h0", "c0"):
+            tensor = initializers.get(getattr(self, attr))
+            if tensor is not None and not np.any(numpy_helper.to_array(tensor)):
+                setattr(self, attr, "")
         self.outputs = [o if o and o in read else "" for o in node.output]
         self.layout = int(self.attrs.get("layout", 0))
         direction = self.attrs.get("direction", "forward")

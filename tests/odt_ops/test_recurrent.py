@@ -228,10 +228,47 @@ def test_dynamic_sequence_length_fails_naming_the_node():
         odt_ops.load_model(model)
 
 
+def test_zero_initial_state_constant_leaves_the_batch_free():
+    """Exporters write h0 = c0 = 0 for the export's batch size as a constant; it is dropped (a zero
+    state is the default), so the model serves any batch size, as the engine's symbolic batch promises."""
+    model, feeds = recurrent_model("LSTM", direction="bidirectional", batch=3, layout=1)  # X: [batch, T, I]
+    want = onnxruntime_outputs(model, feeds)  # without initial states: zeros, by the spec
+    node = model.graph.node[0]
+    zeros = numpy_helper.from_array(np.zeros((3, 2, 3), np.float32), "h0")
+    model.graph.initializer.append(zeros)
+    node.input.extend(["", "h0", "h0"])
+    sess = InferenceSession(model)
+    assert "h0" not in {t.name for t in sess.model.graph.initializer}
+    for g, w in zip(sess.run(None, feeds), want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    x5 = np.random.default_rng(3).standard_normal((5, 4, 5)).astype(np.float32)  # batch 5
+    (y, y_h, y_c) = sess.run(None, {"X": x5})
+    assert y.shape == (5, 4, 2, 3) and y_h.shape == y_c.shape == (5, 2, 3)
+
+
+def test_check_command_lists_no_recurrent_op(tmp_path, capsys):
+    from odt_ops.__main__ import main
+
+    model, _ = recurrent_model("GRU", direction="bidirectional", lens=[4, 2, 3], initial=True)
+    onnx.save(model, tmp_path / "gru.onnx")
+    assert main(["check", str(tmp_path / "gru.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "every node has a kernel" in out and "GRU," not in out
+
+
 # ---- real exports: torch classifiers, trained one step ------------------------------------------
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """torch's tiny recurrent kernels are slowest when threads contend for the CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class Classifier(nn.Module):
@@ -264,7 +301,49 @@ def export(module, x, how):
     return onnx.load_from_string(buffer.getvalue())
 
 
-@pytest.mark.xfail(reason="work in progress: gradient oracle for the recurrent weights")
+def torch_counterparts(module: nn.Module) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(value, gradient) of every torch parameter in each layout an export may write it in: as is,
+    transposed, and the recurrent weights as ONNX's W [D, G*H, I], R [D, G*H, H] and B [D, 2*G*H]
+    per layer, gates reordered from torch's (i, f, g, o) / (r, z, n) to ONNX's (i, o, f, c) / (z, r, h)."""
+    rnn = module.rnn
+    order = {nn.LSTM: [0, 3, 1, 2], nn.GRU: [1, 0, 2], nn.RNN: [0]}[type(rnn)]
+    suffixes = ["", "_reverse"] if rnn.bidirectional else [""]
+
+    def onnx_form(name: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+        tensors = [getattr(rnn, f"{name}_l{k}{s}") for s in suffixes]
+        def gates(a):
+            return np.concatenate([np.split(a, len(order))[i] for i in order])
+        return (np.stack([gates(t.detach().numpy()) for t in tensors]), np.stack([gates(t.grad.numpy()) for t in tensors]))
+
+    found = []
+    for k in range(rnn.num_layers):
+        found.append(onnx_form("weight_ih", k))
+        found.append(onnx_form("weight_hh", k))
+        (bi, gi), (bh, gh) = onnx_form("bias_ih", k), onnx_form("bias_hh", k)
+        found.append((np.concatenate([bi, bh], axis=1), np.concatenate([gi, gh], axis=1)))
+    for p in module.parameters():
+        value, grad = p.detach().numpy(), p.grad.numpy()
+        found.append((value, grad))
+        if value.ndim == 2:
+            found.append((value.T, grad.T))
+    return found
+
+
+def match_initializers(proto: onnx.ModelProto, module: nn.Module, *, strict: bool = True) -> dict[str, np.ndarray]:
+    """ONNX initializer name -> torch's gradient of it, matched by value (exports copy weights exactly)."""
+    candidates = torch_counterparts(module)
+    matched = {}
+    for t in proto.graph.initializer:
+        value = numpy_helper.to_array(t)
+        if value.dtype != np.float32 or not value.any():
+            continue  # zero initial states, constants of other types
+        hits = [g for v, g in candidates if v.shape == value.shape and np.array_equal(v, value)]
+        assert hits or not strict, f"initializer {t.name!r} {value.shape} matches no torch parameter"
+        if hits:
+            matched[t.name] = hits[0]
+    return matched
+
+
 @pytest.mark.parametrize("how", ["13", "17", "dynamo"])
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
 def test_exported_classifier_trains_like_torch(kind, how, tmp_path):
@@ -276,37 +355,41 @@ def test_exported_classifier_trains_like_torch(kind, how, tmp_path):
     x = rng.standard_normal((4, 5, 6)).astype(np.float32)
     labels = np.array([0, 2, 1, 2], dtype=np.int64)
     proto = export(module, torch.from_numpy(x), how)
-    if (kind, how) != ("rnn", "dynamo"):  # the dynamo exporter writes a relu RNN as its cell's ops
+    # The dynamo exporter writes nn.RNN as its cells' ops, unrolled, and folds the first step's
+    # h0 @ W_hh^T + b_hh (h0 = 0) into a constant: that copy of b_hh is no parameter any more, so
+    # b_hh's gradient lacks its first step there. Everything else must still train as in torch.
+    folded = (kind, how) == ("rnn", "dynamo")
+    if not folded:
         assert {n.op_type for n in proto.graph.node} & {"LSTM", "GRU", "RNN"}
 
-    names = [t.name for t in proto.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) > 0]
-    artifacts.generate_artifacts(proto, requires_grad=names, loss=artifacts.LossType.CrossEntropyLoss,
+    # the oracle: torch autograd on the same batch
+    loss_fn = nn.CrossEntropyLoss()
+    want = loss_fn(module(torch.from_numpy(x)), torch.from_numpy(labels))
+    want.backward()
+    torch_grads = match_initializers(proto, module, strict=not folded)
+    if folded:
+        b_hh = module.rnn.bias_hh_l0.detach().numpy()
+        torch_grads = {n: g for n, g in torch_grads.items()
+                       if not np.array_equal(numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == n)), b_hh)}
+        assert len(torch_grads) == 5, sorted(torch_grads)  # W_ih, W_hh, b_ih, the head's two
+
+    artifacts.generate_artifacts(proto, requires_grad=sorted(torch_grads), loss=artifacts.LossType.CrossEntropyLoss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
     state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
     model = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
     optimizer = Optimizer(str(tmp_path / "optimizer_model.onnx"), model)
-    optimizer.set_learning_rate(1e-2)
+    model.train()
+    loss = model(x, labels)
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5, atol=1e-6)
+    for name, grad in torch_grads.items():
+        np.testing.assert_allclose(state.parameters[name].grad, grad, rtol=1e-4, atol=1e-6, err_msg=name)
 
-    torch_opt = torch.optim.AdamW(module.parameters(), lr=1e-2)  # AdamW defaults as ORT's: betas, eps 1e-8, wd 1e-2
-    loss_fn = nn.CrossEntropyLoss()
-    for step in range(3):
-        model.train()
-        loss = model(x, labels)
-        torch_opt.zero_grad()
-        want = loss_fn(module(torch.from_numpy(x)), torch.from_numpy(labels))
-        want.backward()
-        np.testing.assert_allclose(loss, want.item(), rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
-        if step == 0:  # the head keeps its torch names in every export: its gradients compare by name
-            grads = {n: p.grad for n, p in state.parameters.items()}
-            head = {n: g for n, g in grads.items() if "head" in n}
-            assert len(head) == 2, sorted(grads)
-            for n, g in head.items():
-                ref = module.head.weight.grad if g.ndim == 2 else module.head.bias.grad
-                np.testing.assert_allclose(g, ref.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
-            # every recurrent weight gets a gradient of the torch norm (gates reordered, weights concatenated)
-            rnn_norm = np.sqrt(sum(float((p.grad ** 2).sum()) for p in module.rnn.parameters()))
-            ours = np.sqrt(sum(float((g ** 2).sum()) for n, g in grads.items() if "head" not in n))
-            np.testing.assert_allclose(ours, rnn_norm, rtol=1e-4)
-        optimizer.step()
-        model.lazy_reset_grad()
-        torch_opt.step()
+    # one AdamW step each (the same defaults as onnxruntime's: lr 1e-3, betas, eps 1e-8, weight decay 1e-2)
+    optimizer.step()
+    model.lazy_reset_grad()
+    torch.optim.AdamW(module.parameters(), lr=optimizer.get_learning_rate()).step()
+    with torch.no_grad():
+        after = loss_fn(module(torch.from_numpy(x)), torch.from_numpy(labels)).item()
+    assert after < want.item()
+    if not folded:
+        np.testing.assert_allclose(model(x, labels), after, rtol=1e-4)
