@@ -37,6 +37,7 @@ class ArtifactInfo:
     # inputs the Module does not feed; it leaves out the nodes that read them (a TrainingBlock's
     # ONNX Runtime-style gradient accumulation, which the Module does in its own buffers)
     unfed_inputs: list[str] = field(default_factory=list)
+    input_gradients: dict[str, str] = field(default_factory=dict)  # graph input -> its gradient output (TrainingBlock)
 
     @property
     def parameters(self) -> list[str]:

@@ -31,11 +31,14 @@ class ParameterSplit:
 
 
 def training_graphs(with_loss: onnx.ModelProto, split: ParameterSplit, loss_name: str, extra: Sequence[str],
-                    user_inputs: Sequence[str], inference_outputs: Sequence[str], prefix: str = "") -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """The (training, eval) models, checked and with their metadata."""
+                    user_inputs: Sequence[str], inference_outputs: Sequence[str], prefix: str = "", *,
+                    input_gradients: Sequence[str] = ()) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The (training, eval) models, checked and with their metadata. ``input_gradients`` names
+    graph inputs whose gradients the training model also puts out (a TrainingBlock may ask)."""
     eval_model = _with_parameters_as_inputs(with_loss, split, loss_name, extra, training=False)
     train_model = _with_parameters_as_inputs(with_loss, split, loss_name, extra, training=True)
-    grads = _add_gradients(train_model, loss_name, split)
+    all_grads = _add_gradients(train_model, loss_name, [*split.trainable, *input_gradients])
+    grads = {p: g for p, g in all_grads.items() if p in split.trainable}
     buffer_updates = _buffer_updates(train_model, split)
     weights = {*split.trainable, *split.frozen, *split.buffers}
     info = meta.ArtifactInfo(
@@ -49,6 +52,7 @@ def training_graphs(with_loss: onnx.ModelProto, split: ParameterSplit, loss_name
         gradients=grads,
         buffer_updates=buffer_updates,
         inference_outputs=list(inference_outputs),
+        input_gradients={n: all_grads[n] for n in input_gradients},
     )
     models = []
     for kind, proto in (("training_model", train_model), ("eval_model", eval_model)):
@@ -84,10 +88,10 @@ def _with_parameters_as_inputs(with_loss: onnx.ModelProto, split: ParameterSplit
     return _inferred(proto)
 
 
-def _add_gradients(proto: onnx.ModelProto, loss_name: str, split: ParameterSplit) -> dict[str, str]:
-    if not split.trainable:
+def _add_gradients(proto: onnx.ModelProto, loss_name: str, wrt: Sequence[str]) -> dict[str, str]:
+    if not wrt:
         return {}
-    result = build_gradients(proto, loss_name, split.trainable)
+    result = build_gradients(proto, loss_name, list(wrt))
     proto.graph.node.extend(result.nodes)
     proto.graph.initializer.extend(result.initializers)
     grads = {}

@@ -110,23 +110,23 @@ class TrainingBlock(Block):
         unknown = [n for n in wanted_inputs if n not in {i.name for i in model.graph.input}]
         if unknown:
             raise ArtifactError(f"requires_grad: {unknown} are neither initializers nor inputs of the model")
-        if wanted_inputs:
-            raise ArtifactError(f"requires_grad: {wanted_inputs} are graph inputs; odt_ops computes gradients for "
-                                "parameters (initializers) only")
         normalized = load_model(model)
-        split = classify_parameters(normalized, self._requires_grad, [n for n in self._frozen if n in initializers])
+        split = classify_parameters(normalized, [n for n in self._requires_grad if n in initializers],
+                                    [n for n in self._frozen if n in initializers])
         # the running statistics are parameters that do not train, as ONNX Runtime counts them
         frozen = split.frozen + split.buffers
         self._parameters = ([initializers[n] for n in split.trainable], [initializers[n] for n in frozen if n in initializers])
         train, evaluation = training_graphs(normalized.proto, split, loss[0], [],
-                                            [n for n in user_inputs if n not in initializers], [loss[0]])
-        _add_ort_accumulation(train, split.trainable)
+                                            [n for n in user_inputs if n not in initializers], [loss[0]],
+                                            input_gradients=wanted_inputs)
+        _add_ort_accumulation(train, [*split.trainable, *wanted_inputs])
         self._models = (train, evaluation)
         model.CopyFrom(train)
         return output
 
 
 def _add_ort_accumulation(train: onnx.ModelProto, trainable: list[str]) -> None:
+    # ``trainable``: the parameters, and any graph input whose gradient was asked for
     """ONNX Runtime's gradient accumulation I/O, in standard ops, recorded in the metadata."""
     from odt_ops import meta
 
@@ -134,8 +134,9 @@ def _add_ort_accumulation(train: onnx.ModelProto, trainable: list[str]) -> None:
     graph = train.graph
     types = {i.name: i.type for i in graph.input}
     graph.input.append(helper.make_tensor_value_info(LAZY_RESET, onnx.TensorProto.BOOL, [1]))
+    gradients = {**info.gradients, **info.input_gradients}
     for param in trainable:
-        grad = info.gradients[param]
+        grad = gradients[param]
         buffer, out = f"{param}_grad.accumulation.buffer", f"{param}_grad.accumulation.out"
         buffer_input = onnx.ValueInfoProto(name=buffer)
         buffer_input.type.CopyFrom(types[param])

@@ -224,3 +224,24 @@ def test_module_takes_ort_arguments_and_orders_inputs_as_ort(tmp_path, net_and_d
     flat = module.get_contiguous_parameters()
     module.copy_buffer_to_parameters(ort.OrtValue.ortvalue_from_numpy(flat.numpy() * 2), trainable_only=False)
     np.testing.assert_array_equal(module.get_contiguous_parameters(), flat * 2)
+
+
+def test_a_training_block_can_ask_for_the_gradient_of_an_input(net_and_data):
+    """requires_grad on a graph input (saliency, adversarial examples): its gradient is an output,
+    with ONNX Runtime's accumulation names, equal to torch's x.grad."""
+    net, x, y, _ = net_and_data
+    block = CrossEntropyTraining()
+    block.requires_grad("fc2.weight")
+    block.requires_grad("x")
+    base = _export(net, x)
+    with onnxblock.base(base):
+        block(base.graph.output[0].name)
+    training, _ = block.to_model_proto()
+    assert "x_grad.accumulation.buffer" in {i.name for i in training.graph.input}
+    feeds = {"x": x.numpy(), training.graph.input[1].name: y.numpy(), "lazy_reset_grad": np.array([True]),
+             "x_grad.accumulation.buffer": np.zeros_like(x.numpy()), "fc2.weight_grad.accumulation.buffer": np.zeros((3, 8), np.float32)}
+    feeds.update({i.name: p.detach().numpy() for i in training.graph.input for n, p in net.named_parameters() if i.name == n})
+    (got,) = _ort(training).run(["x_grad.accumulation.out"], feeds)
+    tx = x.clone().requires_grad_(True)
+    torch.nn.functional.cross_entropy(net(tx), y).backward()
+    np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-4, atol=1e-7)
