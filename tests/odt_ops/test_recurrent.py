@@ -206,6 +206,35 @@ def test_long_sequence_is_fast_and_matches():
     assert_matches_onnxruntime(model, feeds)
 
 
+GRADIENT_CASES = [
+    ("LSTM", {"direction": "bidirectional", "peepholes": True, "initial": True, "lens": [3, 1], "clip": 2.5}),
+    ("LSTM", {"direction": "reverse", "input_forget": 1, "layout": 1, "lens": [2, 3]}),
+    ("GRU", {"direction": "bidirectional", "linear_before_reset": 1, "initial": True, "lens": [1, 3]}),
+    ("GRU", {"direction": "reverse", "layout": 1, "initial": True}),
+    ("RNN", {"direction": "bidirectional", "activations": ["Relu", "Softsign"], "lens": [3, 2], "initial": True}),
+]
+
+
+@pytest.mark.parametrize("op,case", GRADIENT_CASES, ids=lambda c: c if isinstance(c, str) else "-".join(map(str, c)))
+def test_gradients_of_the_unrolled_graph_match_finite_differences(op, case):
+    """float64: the rewrite composed with the existing gradient rules differentiates every input,
+    masks and peepholes included."""
+    from tests.odt_ops.gradcheck import check_gradients
+
+    model, feeds = recurrent_model(op, T=3, batch=2, I=3, H=2, **case)
+    for t in model.graph.initializer:
+        if t.data_type == TensorProto.FLOAT:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
+    for v in (*model.graph.input, *model.graph.output):
+        if v.type.tensor_type.elem_type == TensorProto.FLOAT:
+            v.type.tensor_type.elem_type = TensorProto.DOUBLE
+    feeds = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    unrolled = odt_ops.load_model(model, batch_dim=None).proto
+    params = [t.name for t in unrolled.graph.initializer if t.name in ("W", "R", "B", "P")]
+    inputs = [n for n in feeds if n != "sequence_lens"]
+    check_gradients(unrolled, feeds, [*inputs, *params], rtol=1e-5, atol=1e-7)
+
+
 def test_node_names_and_values_are_unique():
     model, _ = recurrent_model("GRU", direction="bidirectional", lens=[4, 1, 2], initial=True)
     # a second node reading the first one's output, so both rewrites share a graph
@@ -393,3 +422,75 @@ def test_exported_classifier_trains_like_torch(kind, how, tmp_path):
     assert after < want.item()
     if not folded:
         np.testing.assert_allclose(model(x, labels), after, rtol=1e-4)
+
+
+def test_dynamic_time_axis_export_fails_at_load_naming_the_node():
+    module = Classifier("gru").eval()
+    buffer = io.BytesIO()
+    torch.onnx.export(module, (torch.zeros(2, 5, 6),), buffer, dynamo=False, opset_version=17, input_names=["x"],
+                      output_names=["logits"], dynamic_axes={"x": {0: "batch", 1: "time"}})
+    gru = next(n.name for n in onnx.load_from_string(buffer.getvalue()).graph.node if n.op_type == "GRU")
+    with pytest.raises(ModelCheckError, match=rf"GRU node '{gru}' has a dynamic sequence length.*fixed sequence length"):
+        odt_ops.load_model(buffer.getvalue())
+
+
+class TimeMajor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.rnn = nn.LSTM(6, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.head(y[-1])
+
+
+@pytest.mark.parametrize("how", ["13", "17"])
+def test_time_major_export_runs_like_torch(how):
+    """X is [time, batch, features]: its first axis is the time axis, static when the pass runs."""
+    module = TimeMajor().eval()
+    x = np.random.default_rng(2).standard_normal((7, 3, 6)).astype(np.float32)
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    (got,) = InferenceSession(export(module, torch.from_numpy(x), how)).run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _spec_cases():
+    """The ONNX spec's LSTM, GRU and RNN node tests, captured from their generators (onnx's
+    collect_testcases would run every op's generator, seconds of work)."""
+    import inspect
+
+    from onnx.backend.test.case.base import Base
+    from onnx.backend.test.case.node import gru, lstm, rnn
+
+    cases = []
+    for module in (lstm, gru, rnn):
+        original = module.expect
+        module.expect = lambda node, inputs, outputs, name, **kw: cases.append((name, node, inputs, outputs, kw))
+        try:
+            for _, cls in inspect.getmembers(module, inspect.isclass):
+                if issubclass(cls, Base) and cls is not Base:
+                    for attr in dir(cls):
+                        if attr.startswith("export"):
+                            getattr(cls, attr)()
+        finally:
+            module.expect = original
+    return cases
+
+
+@pytest.mark.parametrize("case", _spec_cases(), ids=lambda c: c[0])
+def test_onnx_spec_node_cases(case):
+    """The ONNX spec's own recurrent node tests (expected outputs from onnx's reference code)."""
+    name, node, inputs, outputs, kw = case
+    present = [n for n in node.input if n]
+    graph = helper.make_graph(
+        [node], name,
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in zip(present, inputs)],
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+         for n, a in zip([o for o in node.output if o], outputs)])
+    model = helper.make_model(graph, opset_imports=kw.get("opset_imports") or [helper.make_opsetid("", 21)])
+    got = InferenceSession(model, normalize=False).run(None, dict(zip(present, inputs)))
+    for g, w in zip(got, outputs):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
