@@ -11,7 +11,9 @@ Semantics follow the ONNX spec (onnx.defs.get_schema("LSTM").doc, GRU, RNN):
 directions forward, reverse and bidirectional; layouts 0 and 1; optional B,
 sequence_lens, initial_h, initial_c and P; activations with activation_alpha and
 activation_beta (consumed, as onnxruntime does, only by the functions that take them;
-defaults those of the ONNX operators, Affine 1*x+0 and ScaledTanh 1*tanh(1*x)); clip
+missing values default, as the spec says, to those of the ONNX operators, Affine to 1*x+0
+and ScaledTanh to 1*tanh(1*x); onnxruntime 1.32 uses 0 for Affine's, ScaledTanh's and
+ThresholdedRelu's instead, so models relying on those defaults differ from it); clip
 on every gate's pre-activation; input_forget (LSTM: f = 1 - i); linear_before_reset
 (GRU). With sequence_lens, steps past a sequence's end output zeros and leave the state
 unchanged (Where masks), so Y_h and Y_c are the states at its last valid step, and the
@@ -64,7 +66,7 @@ def unroll_recurrent(model: Model) -> bool:
                  if t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) <= _SMALL_CONSTANT}
     taken = {v.name for v in (*graph.input, *graph.output, *graph.value_info)} | {t.name for t in graph.initializer}
     taken |= {o for n in graph.node for o in (*n.input, *n.output)} | {n.name for n in graph.node}
-    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    read = _read_names(graph) | {o.name for o in graph.output}
     b = GraphBuilder(taken=taken, opset=model.opset, types=types, constants=constants)
     initializers = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
     nodes: list[onnx.NodeProto] = []
@@ -89,6 +91,17 @@ def unroll_recurrent(model: Model) -> bool:
     graph.node.extend(kept)
     model.forget_arrays()
     return True
+
+
+def _read_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value a node reads, in subgraphs (If, Loop, Scan bodies) too."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                names |= _read_names(sub)
+    return names
 
 
 def _is_recurrent(node: onnx.NodeProto) -> bool:
