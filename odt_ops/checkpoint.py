@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from odt_ops.errors import CheckpointError
+from odt_ops.errors import CheckpointError, OdtError
 from odt_ops.tensorfile import read_tensor_file, write_tensor_file
 
 FORMAT = "odt-checkpoint"
@@ -121,6 +121,15 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if is_ort_checkpoint(path):
         return read_ort_checkpoint(path)
     manifest, tensors = read_tensor_file(path, FORMAT, FORMAT_VERSION, CheckpointError, "checkpoint")
+    try:
+        return _from_manifest(manifest, tensors, path)
+    except OdtError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:  # a field of the wrong kind
+        raise CheckpointError(f"{path}: the checkpoint's manifest is damaged ({type(exc).__name__}: {exc})") from None
+
+
+def _from_manifest(manifest: dict, tensors: list, path) -> Checkpoint:
     ckpt = Checkpoint(properties=_mapping(manifest, "properties", path), engine=_mapping(manifest, "engine", path))
     _check_properties(ckpt.properties, str(path))
     _check_engine(ckpt.engine, str(path))

@@ -2,7 +2,10 @@
 
 Every error names the thing at fault (file, node, op, input, parameter) and, where
 there is one, the fix. Callers catch ``OdtError``; nothing below it leaks numpy
-or protobuf exceptions to users.
+or protobuf exceptions to users. Each class is also the builtin a Python user would
+catch for that kind of fault (ValueError for bad values and files, FileNotFoundError for
+a missing file, NotImplementedError for an op we do not run, ...), so generic code
+keeps working.
 """
 from __future__ import annotations
 
@@ -13,24 +16,25 @@ class OdtError(Exception):
     """Base of every error the engine raises on bad input."""
 
 
-class ModelLoadError(OdtError):
+class ModelLoadError(OdtError, ValueError):
     """The model file or bytes cannot be read as an ONNX model."""
 
 
-class ModelCheckError(OdtError):
+class ModelCheckError(OdtError, ValueError):
     """The model is readable but not a valid ONNX model (onnx.checker, shapes, names)."""
 
 
-class UnsupportedOpError(OdtError):
+class UnsupportedOpError(OdtError, NotImplementedError):
     """The model uses ops the engine has no kernel (or gradient rule) for.
 
     ``missing`` maps (domain, op_type, opset) to the names of the nodes using it, so
     one error lists everything that is missing, not just the first miss.
     """
 
-    def __init__(self, missing: dict[tuple[str, str, int], list[str]], what: str = "kernel"):
+    def __init__(self, missing: dict[tuple[str, str, int], list[str]], what: str = "kernel", source: str | None = None):
         self.missing = dict(missing)
         self.what = what
+        self.source = source
         lines = [
             f"  {domain or 'ai.onnx'}::{op} (opset {opset}) used by {len(nodes)} node(s): "
             + ", ".join(nodes[:5])
@@ -38,16 +42,16 @@ class UnsupportedOpError(OdtError):
             for (domain, op, opset), nodes in sorted(self.missing.items())
         ]
         super().__init__(
-            f"{len(self.missing)} op type(s) have no {what} in odt_ops:\n" + "\n".join(lines)
+            (f"{source}: " if source else "") + f"{len(self.missing)} op type(s) have no {what} in odt_ops:\n" + "\n".join(lines)
             + "\nReplace these ops in the exported model or add them to odt_ops."
         )
 
 
-class InputError(OdtError):
+class InputError(OdtError, ValueError):
     """Run-time feeds do not match the model's inputs (name, dtype or shape)."""
 
 
-class KernelError(OdtError):
+class KernelError(OdtError, RuntimeError):
     """A kernel failed on the values it was given; names the node and the input shapes."""
 
 
@@ -61,13 +65,40 @@ def describe_arrays(values: Iterable[object]) -> str:
     return ", ".join(parts)
 
 
-class CheckpointError(OdtError):
+class CheckpointError(OdtError, ValueError):
     """A checkpoint file is unreadable, corrupted, from a newer format, or does not fit the model."""
 
 
-class ArtifactError(OdtError):
+class ArtifactError(OdtError, ValueError):
     """Training artifacts cannot be generated or do not fit together."""
 
 
-class GradientError(OdtError):
+class GradientError(OdtError, ValueError):
     """A gradient graph cannot be built (a rule is missing or a shape is unknown)."""
+
+
+class ModelDiffError(OdtError, ValueError):
+    """A model difference is unreadable or does not fit the model it is applied to."""
+
+
+class TrainingDivergedError(OdtError, FloatingPointError):
+    """The loss became NaN or infinite; parameters and gradients were left untouched."""
+
+
+# A missing file is both the reader's error and a FileNotFoundError.
+class ModelFileNotFoundError(ModelLoadError, FileNotFoundError):
+    """No model file at the given path."""
+
+
+class CheckpointFileNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint file at the given path."""
+
+
+class ModelDiffFileNotFoundError(ModelDiffError, FileNotFoundError):
+    """No model difference file at the given path."""
+
+
+def not_found(error: type[OdtError]) -> type[OdtError]:
+    """The file-not-found form of ``error`` (itself when it has none)."""
+    return {ModelLoadError: ModelFileNotFoundError, CheckpointError: CheckpointFileNotFoundError,
+            ModelDiffError: ModelDiffFileNotFoundError}.get(error, error)

@@ -17,7 +17,7 @@ from onnx import helper, numpy_helper
 
 from odt_ops import meta
 from odt_ops.checkpoint import Checkpoint, load_checkpoint
-from odt_ops.errors import ArtifactError, OdtError
+from odt_ops.errors import ArtifactError, ModelDiffError
 from odt_ops.ir.load import read_model, save_model
 from odt_ops.ir.model import TARGET_IR_VERSION
 from odt_ops.ir.modes import set_inference_mode
@@ -26,10 +26,6 @@ from odt_ops.tensorfile import read_tensor_file, write_tensor_file
 
 DIFF_FORMAT = "odt-model-diff"
 DIFF_VERSION = 1
-
-
-class ModelDiffError(OdtError):
-    """A model difference is unreadable or does not fit the model it is applied to."""
 
 
 # ---- inference export ----------------------------------------------------------------------
@@ -125,7 +121,11 @@ def load_diff(path: str | os.PathLike) -> ModelDiff:
     manifest, tensors = read_tensor_file(path, DIFF_FORMAT, DIFF_VERSION, ModelDiffError, "model difference")
     deltas = {entry["name"]: np.asarray(array) for entry, array in tensors}
     _check_finite(deltas, str(path))
-    return ModelDiff(deltas, str(manifest.get("base_hash", "")), int(manifest.get("num_examples", 0)), int(manifest.get("num_steps", 0)),
+    fields = {"base_hash": str, "num_examples": int, "num_steps": int, "metadata": dict}
+    wrong = [k for k, kind in fields.items() if k in manifest and not isinstance(manifest[k], kind) or isinstance(manifest.get(k), bool)]
+    if wrong:
+        raise ModelDiffError(f"{path}: the model difference's manifest has {wrong} of the wrong kind; the file is damaged")
+    return ModelDiff(deltas, manifest.get("base_hash", ""), manifest.get("num_examples", 0), manifest.get("num_steps", 0),
                      dict(manifest.get("metadata") or {}))
 
 

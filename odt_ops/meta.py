@@ -55,11 +55,33 @@ def _set(proto: onnx.ModelProto, key: str, value: Any) -> None:
 def _get(proto: onnx.ModelProto, key: str, what: str) -> dict:
     for prop in proto.metadata_props:
         if prop.key == key:
-            data = json.loads(prop.value)
-            if data.get("version", 0) > META_VERSION:
-                raise ArtifactError(f"{what}: artifact metadata version {data['version']} is newer than this odt_ops reads; upgrade odt")
+            try:
+                data = json.loads(prop.value)
+            except ValueError as exc:
+                raise ArtifactError(f"{what}: the {key!r} metadata is not JSON ({exc}); the file is damaged") from None
+            if not isinstance(data, dict):
+                raise ArtifactError(f"{what}: the {key!r} metadata is a {type(data).__name__}, not a mapping; the file is damaged")
+            version = data.get("version", 0)
+            if not isinstance(version, int) or version > META_VERSION:
+                raise ArtifactError(f"{what}: artifact metadata version {version!r} is newer than this odt_ops reads; upgrade odt")
             return data
     raise ArtifactError(f"{what}: no {key!r} metadata; generate the artifacts with odt_ops.artifacts.generate_artifacts")
+
+
+def _is_names(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_name_map(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+# what each ArtifactInfo field must hold, checked before the dataclass is built
+_ARTIFACT_FIELDS = {"user_inputs": _is_names, "labels": _is_names, "trainable": _is_names, "frozen": _is_names,
+                    "buffers": _is_names, "loss": lambda v: isinstance(v, str), "extra_outputs": _is_names,
+                    "gradients": _is_name_map, "buffer_updates": _is_name_map, "inference_outputs": _is_names,
+                    "unfed_inputs": _is_names, "input_gradients": _is_name_map}
+_REQUIRED = ("user_inputs", "labels", "trainable", "frozen", "buffers", "loss")
 
 
 def write(proto: onnx.ModelProto, info: ArtifactInfo) -> None:
@@ -69,6 +91,11 @@ def write(proto: onnx.ModelProto, info: ArtifactInfo) -> None:
 def read(proto: onnx.ModelProto, what: str = "model") -> ArtifactInfo:
     data = _get(proto, ARTIFACT_KEY, what)
     data.pop("version", None)
+    problems = [f"{k} is missing" for k in _REQUIRED if k not in data]
+    problems += [f"unknown field {k!r}" for k in data if k not in _ARTIFACT_FIELDS]
+    problems += [f"{k} has the wrong kind" for k, v in data.items() if k in _ARTIFACT_FIELDS and not _ARTIFACT_FIELDS[k](v)]
+    if problems:
+        raise ArtifactError(f"{what}: the {ARTIFACT_KEY!r} metadata is damaged: {'; '.join(problems)}")
     return ArtifactInfo(**data)
 
 
@@ -84,4 +111,15 @@ def write_optimizer(proto: onnx.ModelProto, opt, slots, outputs: list[str]) -> N
 
 
 def read_optimizer(proto: onnx.ModelProto, what: str = "optimizer model") -> dict:
-    return _get(proto, OPTIMIZER_KEY, what)
+    data = _get(proto, OPTIMIZER_KEY, what)
+    params = data.get("parameters")
+
+    def slot_ok(p: object) -> bool:
+        return (isinstance(p, dict) and all(isinstance(p.get(k), str) for k in ("name", "value", "grad"))
+                and _is_name_map(p.get("states")) and _is_names(p.get("outputs")))
+
+    if not (isinstance(data.get("kind"), str) and isinstance(data.get("hyperparameters", {}), dict)
+            and isinstance(params, list) and all(slot_ok(p) for p in params)):
+        raise ArtifactError(f"{what}: the {OPTIMIZER_KEY!r} metadata is damaged (kind, hyperparameters and per-parameter "
+                            "names of the wrong kind or missing)")
+    return data

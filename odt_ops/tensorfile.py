@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from odt_ops.errors import OdtError
+from odt_ops.errors import OdtError, not_found
 from odt_ops.io import atomic_writer
 
 MANIFEST = "manifest.json"
@@ -52,7 +52,7 @@ def read_tensor_file(path: str | os.PathLike, fmt: str, version: int, error: typ
     """The manifest and (entry, memory-mapped array) pairs of a file written above."""
     path = Path(path)
     if not path.is_file():
-        raise error(f"{path}: no such {what} file")
+        raise not_found(error)(f"{path}: no such {what} file")
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()  # streams every member through its CRC, in constant memory
@@ -60,20 +60,41 @@ def read_tensor_file(path: str | os.PathLike, fmt: str, version: int, error: typ
                 raise error(f"{path}: member {bad} is corrupted (CRC mismatch); the {what} cannot be trusted")
             manifest = json.loads(zf.read(MANIFEST))
             infos = {i.filename: i for i in zf.infolist()}
-    except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError, struct.error) as exc:
+    except OdtError:
+        raise
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError, struct.error, NotImplementedError, RuntimeError) as exc:
+        # NotImplementedError and RuntimeError: zipfile's answers to a compression method, version or
+        # encryption flag it does not know
         raise error(f"{path}: not a readable ODT {what} (truncated or corrupted?): {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         raise error(f"{path}: not an ODT {what} (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
     found = manifest.get("format_version")
     if not isinstance(found, int) or found > version:
         raise error(f"{path}: {what} format version {found} is newer than this odt_ops reads ({version}); upgrade odt")
+    entries = manifest.get("tensors", [])
+    if not isinstance(entries, list) or not all(_valid_entry(e) for e in entries):
+        raise error(f"{path}: the {what}'s manifest lists its tensors wrongly (each needs a str key and name, an "
+                    "int shape and a numeric dtype); the file is damaged")
     tensors = []
-    for entry in manifest.get("tensors", []):
+    for entry in entries:
         info = infos.get(f"{entry.get('key')}.npy")
         if info is None:
             raise error(f"{path}: tensor {entry.get('name')!r} is listed but missing from the file")
         tensors.append((entry, _map_member(path, info, entry, error)))
     return manifest, tensors
+
+
+def _valid_entry(entry: object) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not isinstance(entry.get("name"), str):
+        return False
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return False
+    try:
+        dtype = np.dtype(entry.get("dtype"))
+    except (TypeError, ValueError):
+        return False
+    return isinstance(entry.get("dtype"), str) and not dtype.hasobject
 
 
 def _map_member(path: Path, info: zipfile.ZipInfo, entry: dict, error: type[OdtError]) -> np.ndarray:

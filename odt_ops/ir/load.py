@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from odt_ops.errors import ModelCheckError, ModelLoadError, UnsupportedOpError
+from odt_ops.errors import ModelCheckError, ModelFileNotFoundError, ModelLoadError, UnsupportedOpError
 from odt_ops.ir import passes, recurrent
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model, default_opset
 
@@ -35,7 +35,7 @@ def read_model(source: ModelSource) -> Model:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
-            raise ModelLoadError(f"{path}: no such model file")
+            raise ModelFileNotFoundError(f"{path}: no such model file")
         # external data stays on disk and is memory-mapped later, never held twice
         proto = _parse(path.read_bytes(), str(path))
         return Model(proto, base_dir=str(path.parent.resolve()), source=str(path))
