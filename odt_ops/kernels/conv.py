@@ -29,115 +29,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
+from odt_ops.kernels.geometry import WindowGeometry, per_axis, transpose_pads, window_counts, window_geometry
 from odt_ops.kernels.reduce import sum_along
 from odt_ops.kernels.registry import kernel
 
-_AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 _CACHE_BYTES = 4 << 20  # ``_batch_steps``: im2col/col2im columns kept well inside the last-level cache
 
 
 # ---------------------------------------------------------------- window geometry
 
 
-def _per_axis(name: str, values: Sequence[int] | None, rank: int, default: int, *, minimum: int) -> tuple[int, ...]:
-    """A per-spatial-axis attribute (strides, dilations, kernel_shape...) checked and defaulted."""
-    if values is None:
-        return (default,) * rank
-    values = tuple(int(v) for v in values)
-    if len(values) != rank:
-        raise ValueError(f"{name} {list(values)} must have one value per spatial axis ({rank})")
-    if any(v < minimum for v in values):
-        raise ValueError(f"{name} {list(values)} must all be >= {minimum}")
-    return values
-
-
-def _explicit_pads(pads: Sequence[int] | None, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    if pads is None:
-        return (0,) * rank, (0,) * rank
-    pads = tuple(int(p) for p in pads)
-    if len(pads) != 2 * rank:
-        raise ValueError(f"pads {list(pads)} must have 2 values per spatial axis ({2 * rank})")
-    if any(p < 0 for p in pads):
-        raise ValueError(f"pads {list(pads)} must be non-negative")
-    return pads[:rank], pads[rank:]
-
-
-def _check_auto_pad(auto_pad: str) -> None:
-    if auto_pad not in _AUTO_PADS:
-        raise ValueError(f"auto_pad {auto_pad!r} is not one of {', '.join(_AUTO_PADS)}")
-
-
-def _split_pad(total: int, auto_pad: str) -> tuple[int, int]:
-    """Split a total padding between the two ends: SAME_UPPER puts the odd one at the end."""
-    small = total // 2
-    return (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """Per spatial axis: the window and where it lands. ``begin``/``end`` are the pads."""
-
-    kernel: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilations: tuple[int, ...]
-    begin: tuple[int, ...]
-    end: tuple[int, ...]
-    out: tuple[int, ...]
-
-    @property
-    def extents(self) -> tuple[int, ...]:
-        """How far one window reaches along each axis."""
-        return tuple((k - 1) * d + 1 for k, d in zip(self.kernel, self.dilations))
-
-    @property
-    def reach(self) -> tuple[int, ...]:
-        """The padded length the windows read: up to the end of the last window."""
-        return tuple((o - 1) * s + e for o, s, e in zip(self.out, self.strides, self.extents))
-
-
-def _geometry(spatial: Sequence[int], kernel: Sequence[int], *, strides, dilations, pads, auto_pad: str,
-              ceil_mode: int = 0) -> _Geometry:
-    rank = len(spatial)
-    _check_auto_pad(auto_pad)
-    strides = _per_axis("strides", strides, rank, 1, minimum=1)
-    dilations = _per_axis("dilations", dilations, rank, 1, minimum=1)
-    extents = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        out = [-(-n // s) for n, s in zip(spatial, strides)]
-        # a window shorter than the stride would need negative padding: clamp at 0 (as TensorFlow
-        # and onnxruntime's Conv do); the output size stays ceil(input / stride) either way
-        totals = [max(0, (o - 1) * s + e - n) for o, s, e, n in zip(out, strides, extents, spatial)]
-        begin, end = zip(*(_split_pad(t, auto_pad) for t in totals)) if rank else ((), ())
-    else:
-        if auto_pad == "VALID":
-            begin, end = (0,) * rank, (0,) * rank
-        else:
-            begin, end = _explicit_pads(pads, rank)
-        rounding = math.ceil if ceil_mode else math.floor
-        out = [rounding((n + b + f - e) / s) + 1 for n, b, f, e, s in zip(spatial, begin, end, extents, strides)]
-        if ceil_mode:
-            # a window that would start in the end padding is dropped
-            out = [o - 1 if (o - 1) * s >= n + b else o for o, s, n, b in zip(out, strides, spatial, begin)]
-    if any(o < 1 for o in out):
-        raise ValueError(
-            f"the window (kernel {list(kernel)}, dilations {list(dilations)}) does not fit the input "
-            f"spatial shape {list(spatial)} with pads {list(begin) + list(end)}"
-        )
-    return _Geometry(tuple(kernel), strides, dilations, tuple(begin), tuple(end), tuple(out))
-
-
-def _pad_into(target: np.ndarray, X: np.ndarray, geo: _Geometry) -> None:
+def _pad_into(target: np.ndarray, X: np.ndarray, geo: WindowGeometry) -> None:
     """Copy X into a (N, C, *reach) canvas already filled with the padding value."""
     keep = [min(n, r - b) for n, r, b in zip(X.shape[2:], geo.reach, geo.begin)]
     target[(..., *(slice(b, b + k) for b, k in zip(geo.begin, keep)))] = X[(..., *(slice(k) for k in keep))]
 
 
-def _pad_for_windows(X: np.ndarray, geo: _Geometry, fill) -> np.ndarray:
+def _pad_for_windows(X: np.ndarray, geo: WindowGeometry, fill) -> np.ndarray:
     """X padded with ``fill`` exactly as far as the windows read (cropped where they stop short)."""
     reach = geo.reach
     if not any(geo.begin) and all(r <= n for r, n in zip(reach, X.shape[2:])):
@@ -147,7 +59,7 @@ def _pad_for_windows(X: np.ndarray, geo: _Geometry, fill) -> np.ndarray:
     return padded
 
 
-def _flat_planes(X: np.ndarray, geo: _Geometry) -> tuple[np.ndarray, list[int], int]:
+def _flat_planes(X: np.ndarray, geo: WindowGeometry) -> tuple[np.ndarray, list[int], int]:
     """Stride-1 windows as flat offsets: (zero-padded flat planes, offset per kernel tap, span).
 
     With each padded (n, c) grid flattened, kernel tap k reads the plane shifted by one
@@ -164,18 +76,18 @@ def _flat_planes(X: np.ndarray, geo: _Geometry) -> tuple[np.ndarray, list[int], 
     return flat, offsets, span
 
 
-def _crop_flat(Y: np.ndarray, geo: _Geometry) -> np.ndarray:
+def _crop_flat(Y: np.ndarray, geo: WindowGeometry) -> np.ndarray:
     """(N, M, span) results of ``_flat_planes`` windows as a contiguous (N, M, positions)."""
     rows = Y.reshape(*Y.shape[:2], geo.out[0], *geo.reach[1:])
     return np.ascontiguousarray(rows[(..., *(slice(o) for o in geo.out[1:]))]).reshape(*Y.shape[:2], -1)
 
 
-def _keeps_rows(X: np.ndarray, geo: _Geometry) -> bool:
+def _keeps_rows(X: np.ndarray, geo: WindowGeometry) -> bool:
     """Stride 1 and every output axis but the first as long as the input's: ``_row_windows`` applies."""
     return all(s == 1 for s in geo.strides) and geo.out[1:] == X.shape[3:]
 
 
-def _row_windows(X: np.ndarray, geo: _Geometry) -> np.ndarray:
+def _row_windows(X: np.ndarray, geo: WindowGeometry) -> np.ndarray:
     """For ``_keeps_rows`` geometries: a (N, C, *kernel, positions) view of the taps, read from the
     UNPADDED planes flattened, each tap one flat offset away.
 
@@ -199,7 +111,7 @@ def _row_windows(X: np.ndarray, geo: _Geometry) -> np.ndarray:
                                X.itemsize))
 
 
-def _zero_wrapped(cols: np.ndarray, geo: _Geometry) -> None:
+def _zero_wrapped(cols: np.ndarray, geo: WindowGeometry) -> None:
     """Clear the im2col entries ``_row_windows`` read across a row end. ``cols`` is (..., *kernel, *out):
     along every axis but the first, tap k shifted by s = k*d - pad reads a neighbour row at the
     first -s or the last s positions; one strided assignment per such tap and axis."""
@@ -216,14 +128,14 @@ def _zero_wrapped(cols: np.ndarray, geo: _Geometry) -> None:
             cols[(..., *where)] = 0
 
 
-def _offset_slices(Xp: np.ndarray, geo: _Geometry) -> Iterator[np.ndarray]:
+def _offset_slices(Xp: np.ndarray, geo: WindowGeometry) -> Iterator[np.ndarray]:
     """Per kernel offset (row-major), the strided view of Xp it reads at every output position."""
     for offset in np.ndindex(*geo.kernel):
         yield Xp[(..., *(slice(k * d, k * d + (o - 1) * s + 1, s)
                          for k, d, o, s in zip(offset, geo.dilations, geo.out, geo.strides)))]
 
 
-def _windows(Xp: np.ndarray, geo: _Geometry) -> np.ndarray:
+def _windows(Xp: np.ndarray, geo: WindowGeometry) -> np.ndarray:
     """A (N, C, *out, *kernel) view of every window of the padded input."""
     rank = len(geo.kernel)
     view = sliding_window_view(Xp, geo.extents, axis=tuple(range(2, 2 + rank)))
@@ -250,7 +162,7 @@ def _check_kernel_shape(kernel_shape: Sequence[int] | None, W: np.ndarray) -> No
 # ---------------------------------------------------------------- Conv
 
 
-def _conv_geometry(X: np.ndarray, W: np.ndarray, kernel_shape, group: int, **window) -> _Geometry:
+def _conv_geometry(X: np.ndarray, W: np.ndarray, kernel_shape, group: int, **window) -> WindowGeometry:
     _spatial_input(X, "Conv")
     if W.ndim != X.ndim:
         raise ValueError(f"Conv weights of shape {W.shape} do not match the rank of input {X.shape}")
@@ -260,7 +172,7 @@ def _conv_geometry(X: np.ndarray, W: np.ndarray, kernel_shape, group: int, **win
         raise ValueError(f"weights {W.shape} expect {W.shape[1] * group} input channels (group {group}), "
                          f"input has {X.shape[1]}")
     _check_kernel_shape(kernel_shape, W)
-    return _geometry(X.shape[2:], W.shape[2:], **window)
+    return window_geometry(X.shape[2:], W.shape[2:], **window)
 
 
 def _add_bias(Y: np.ndarray, B: np.ndarray) -> None:
@@ -279,7 +191,7 @@ def _batch_steps(N: int, per_image: int) -> Iterator[slice]:
     return (slice(i, min(N, i + step)) for i in range(0, N, step))
 
 
-def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometry, group: int) -> np.ndarray:
+def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGeometry, group: int) -> np.ndarray:
     """im2col + one batched GEMM, straight into (N, M, positions).
 
     The im2col copy goes into a buffer with one extra row of ones when there is a bias,
@@ -337,7 +249,7 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometr
     return _crop_flat(Y, geo) if flat else Y
 
 
-def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: _Geometry, group: int) -> np.ndarray:
+def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGeometry, group: int) -> np.ndarray:
     """One input channel per group: accumulate weight * shifted input over kernel offsets.
 
     At stride 1 every multiply-add runs over whole flat planes (``_flat_planes``)."""
@@ -377,33 +289,6 @@ def conv(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
 
 
 # ---------------------------------------------------------------- ConvTranspose
-
-
-def _transpose_pads(X: np.ndarray, kernel: Sequence[int], *, strides, dilations, pads, auto_pad, output_padding,
-                    output_shape) -> tuple[list[int], list[int]]:
-    """Pad at the start of each axis (may be negative) and the output size, as ConvTranspose defines them."""
-    spatial = X.shape[2:]
-    rank = len(spatial)
-    _check_auto_pad(auto_pad)
-    adjust = _per_axis("output_padding", output_padding, rank, 0, minimum=0)
-    full = [s * (n - 1) + a + (k - 1) * d + 1 for s, n, a, k, d in zip(strides, spatial, adjust, kernel, dilations)]
-    if output_shape is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        if output_shape is None:
-            out = [n * s for n, s in zip(spatial, strides)]
-        else:
-            out = [int(v) for v in output_shape][-rank:]  # some exporters include N and C
-            if len(out) != rank or min(out) < 1:
-                raise ValueError(f"output_shape {list(output_shape)} must give {rank} positive spatial sizes")
-        # pads follow from the requested size; SAME_UPPER puts the odd one at the end
-        begin = [_split_pad(f - o, auto_pad)[0] for f, o in zip(full, out)]
-        return begin, out
-    if auto_pad == "VALID":
-        return [0] * rank, full
-    begin, end = _explicit_pads(pads, rank)
-    out = [f - b - e for f, b, e in zip(full, begin, end)]
-    if any(o < 1 for o in out):
-        raise ValueError(f"pads {list(pads)} leave no output (uncropped output size {full})")
-    return list(begin), out
 
 
 def _phase_taps(lead: int, k: int, d: int, s: int) -> tuple[list[tuple[int, int, int]], int, int]:
@@ -506,9 +391,9 @@ def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, 
         raise ValueError(f"group {group} must divide the input channels {C}")
     _check_kernel_shape(kernel_shape, W)
     kernel = W.shape[2:]
-    strides = _per_axis("strides", strides, rank, 1, minimum=1)
-    dilations = _per_axis("dilations", dilations, rank, 1, minimum=1)
-    begin, out = _transpose_pads(X, kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
+    strides = per_axis("strides", strides, rank, 1, minimum=1)
+    dilations = per_axis("dilations", dilations, rank, 1, minimum=1)
+    begin, out = transpose_pads(X, kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
                                  output_padding=output_padding, output_shape=output_shape)
     Xc, Wc, Bc = _wide(X, W, B)
     Y = _col2im(Xc, Wc, group, strides, dilations, begin, out)
@@ -520,12 +405,12 @@ def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, 
 # ---------------------------------------------------------------- pooling
 
 
-def _pool_geometry(X: np.ndarray, op: str, kernel_shape, *, strides, dilations, pads, auto_pad, ceil_mode) -> _Geometry:
+def _pool_geometry(X: np.ndarray, op: str, kernel_shape, *, strides, dilations, pads, auto_pad, ceil_mode) -> WindowGeometry:
     _spatial_input(X, op)
     if kernel_shape is None:
         raise ValueError(f"{op} needs the kernel_shape attribute")
-    kernel = _per_axis("kernel_shape", kernel_shape, X.ndim - 2, 1, minimum=1)
-    return _geometry(X.shape[2:], kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
+    kernel = per_axis("kernel_shape", kernel_shape, X.ndim - 2, 1, minimum=1)
+    return window_geometry(X.shape[2:], kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
                      ceil_mode=ceil_mode)
 
 
@@ -533,14 +418,14 @@ def _lowest(dtype: np.dtype):
     return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
 
-def _axis_taps(V: np.ndarray, geo: _Geometry, axis: int) -> list[np.ndarray]:
+def _axis_taps(V: np.ndarray, geo: WindowGeometry, axis: int) -> list[np.ndarray]:
     """Per kernel offset along one spatial axis, the strided view it reads at every output position."""
     k, d, o, s = geo.kernel[axis], geo.dilations[axis], geo.out[axis], geo.strides[axis]
     lead = (slice(None),) * (2 + axis)
     return [V[(*lead, slice(j * d, j * d + (o - 1) * s + 1, s))] for j in range(k)]
 
 
-def _separable(ufunc: np.ufunc, Xp: np.ndarray, geo: _Geometry) -> np.ndarray:
+def _separable(ufunc: np.ufunc, Xp: np.ndarray, geo: WindowGeometry) -> np.ndarray:
     """Reduce every window with ``ufunc`` one axis at a time: a box max or sum is separable, so
     sum(kernel) whole-array ufunc calls replace prod(kernel) ones, each on shrinking data.
     The first spatial axis goes first, while the innermost one is still contiguous."""
@@ -556,20 +441,7 @@ def _separable(ufunc: np.ufunc, Xp: np.ndarray, geo: _Geometry) -> np.ndarray:
     return V if V.base is None else np.array(V)  # never hand out a view of the input
 
 
-def _window_counts(spatial: Sequence[int], geo: _Geometry, include_pad: bool) -> np.ndarray:
-    """How many window taps land inside the input (or its explicit padding), per output position."""
-    counts = []
-    for n, k, s, d, b, e, o in zip(spatial, geo.kernel, geo.strides, geo.dilations, geo.begin, geo.end, geo.out):
-        taps = np.arange(o)[:, None] * s - b + np.arange(k)[None, :] * d
-        low, high = (-b, n + e) if include_pad else (0, n)
-        counts.append(((taps >= low) & (taps < high)).sum(axis=1))
-    grid = counts[0]
-    for c in counts[1:]:
-        grid = np.multiply.outer(grid, c)
-    return grid
-
-
-def _max_with_indices(X: np.ndarray, Xp: np.ndarray, geo: _Geometry,
+def _max_with_indices(X: np.ndarray, Xp: np.ndarray, geo: WindowGeometry,
                       storage_order: int) -> tuple[np.ndarray, np.ndarray]:
     """Max and the flat input index of the first maximum in row-major window order.
 
@@ -602,7 +474,7 @@ def _max_with_indices(X: np.ndarray, Xp: np.ndarray, geo: _Geometry,
     return values, planes + where
 
 
-def _tiles(geo: _Geometry, spatial: Sequence[int]) -> bool:
+def _tiles(geo: WindowGeometry, spatial: Sequence[int]) -> bool:
     """Whether the windows tile the input: kernel == stride, undilated, no padding read."""
     return geo.kernel == geo.strides and all(d == 1 for d in geo.dilations) and not any(geo.begin) \
         and all(r <= n for r, n in zip(geo.reach, spatial))
@@ -613,7 +485,7 @@ def _offset_dtype(largest: int) -> np.dtype:
     return next(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64) if largest <= np.iinfo(t).max)
 
 
-def _max_with_indices_tiled(X: np.ndarray, geo: _Geometry, storage_order: int) -> tuple[np.ndarray, np.ndarray]:
+def _max_with_indices_tiled(X: np.ndarray, geo: WindowGeometry, storage_order: int) -> tuple[np.ndarray, np.ndarray]:
     """``_max_with_indices`` for windows that tile the input (the common 2x2 stride 2).
 
     The same passes, last window axis first, so ties and NaNs resolve exactly alike. The
@@ -705,7 +577,7 @@ def average_pool(X, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dila
     geo = _pool_geometry(X, "AveragePool", kernel_shape, strides=strides, dilations=dilations, pads=pads,
                          auto_pad=auto_pad, ceil_mode=ceil_mode)
     total = _separable(np.add, _pad_for_windows(X, geo, 0), geo)
-    counts = _window_counts(X.shape[2:], geo, bool(count_include_pad))
+    counts = window_counts(X.shape[2:], geo, bool(count_include_pad))
     full = math.prod(geo.kernel)
     if (counts == full).all():
         total *= X.dtype.type(1 / full)

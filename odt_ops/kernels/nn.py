@@ -6,6 +6,7 @@ import math
 import numpy as np
 import onnx
 
+from odt_ops.kernels.geometry import NEAREST_ROUNDING, resize_axis, resize_output_plan
 from odt_ops.kernels.registry import kernel
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -222,124 +223,8 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, _num_outputs=1, 
 
 # ---------------------------------------------------------------------------- Resize
 
-_NEAREST_ROUNDING = {
-    "round_prefer_floor": lambda x, scale: np.ceil(x - 0.5),
-    "round_prefer_ceil": lambda x, scale: np.floor(x + 0.5),
-    "floor": lambda x, scale: np.floor(x),
-    "ceil": lambda x, scale: np.ceil(x),
-    # Resize-10 (as onnxruntime runs it): truncate when upsampling, round up when downsampling
-    "_opset10": lambda x, scale: np.ceil(x) if scale < 1 else np.floor(x),
-}
 _COORDINATE_MODES = frozenset({"half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners",
                                "asymmetric", "tf_crop_and_resize", "tf_half_pixel_for_nn"})
-
-
-def _source_coords(mode, out_len, in_len, scale, roi):
-    """Input coordinate each output index samples (float64), and which ones fall outside (crop mode)."""
-    y = np.arange(out_len, dtype=np.float64)
-    # the spec's reference divides by the fractional output length in align_corners / crop modes
-    out_f = scale * in_len
-    if mode == "half_pixel":
-        return (y + 0.5) / scale - 0.5, None
-    if mode == "half_pixel_symmetric":
-        offset = in_len / 2 * (1 - out_len / out_f)
-        return offset + (y + 0.5) / scale - 0.5, None
-    if mode == "pytorch_half_pixel":
-        return ((y + 0.5) / scale - 0.5 if out_len > 1 else np.zeros_like(y)), None
-    if mode == "align_corners":
-        return (y * (in_len - 1) / (out_f - 1) if out_f != 1 else np.zeros_like(y)), None
-    if mode == "asymmetric":
-        return y / scale, None
-    if mode == "tf_half_pixel_for_nn":
-        return (y + 0.5) / scale, None
-    start, end = roi
-    if out_f != 1:
-        x = start * (in_len - 1) + y * (end - start) * (in_len - 1) / (out_f - 1)
-    else:
-        x = np.full_like(y, 0.5 * (start + end) * (in_len - 1))
-    return x, (x < 0) | (x > in_len - 1)
-
-
-def _keys_cubic(t, a):
-    t = np.abs(t)
-    near = ((a + 2) * t - (a + 3)) * t * t + 1
-    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
-    return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
-
-
-def _interpolation_taps(x, in_len, scale, mode, cubic_coeff_a, antialias, exclude_outside):
-    """(indices, weights), each (out_len, taps): output i = sum_k weights[i, k] * input[indices[i, k]]."""
-    s = min(scale, 1.0) if antialias else 1.0  # antialiasing stretches the filter when downscaling
-    support = 1.0 if mode == "linear" else 2.0
-    first = math.floor(-support / s) + 1
-    offsets = np.arange(first, 1 - first + 1)
-    left = np.ceil(x) - 1  # left neighbour, so the fraction lies in (0, 1] as in the reference
-    t = s * (offsets[None, :] - (x - left)[:, None])
-    weights = np.maximum(1 - np.abs(t), 0.0) if mode == "linear" else _keys_cubic(t, cubic_coeff_a)
-    if antialias:
-        weights /= weights.sum(axis=1, keepdims=True)
-    idx = left.astype(np.int64)[:, None] + offsets[None, :]
-    if exclude_outside:
-        weights = np.where((idx < 0) | (idx >= in_len), 0.0, weights)
-        total = weights.sum(axis=1, keepdims=True)
-        weights /= np.where(total == 0, 1.0, total)
-    return np.clip(idx, 0, in_len - 1), weights
-
-
-def _resize_axis(x, axis, out_len, scale, roi, attrs):
-    in_len = x.shape[axis]
-    coords, outside = _source_coords(attrs["coordinate_transformation_mode"], out_len, in_len, scale, roi)
-    if outside is None or not outside.any():
-        outside = None
-        if out_len == in_len and np.array_equal(coords, np.arange(in_len)):
-            return x  # samples land exactly on the input: nothing to do on this axis
-    bshape = [1] * x.ndim
-    bshape[axis] = out_len
-    if attrs["mode"] == "nearest":
-        idx = _NEAREST_ROUNDING[attrs["nearest_mode"]](coords, scale)
-        y = np.take(x, np.clip(idx, 0, in_len - 1).astype(np.intp), axis=axis)
-    else:
-        idx, w = _interpolation_taps(coords, in_len, scale, attrs["mode"], attrs["cubic_coeff_a"],
-                                     attrs["antialias"], attrs["exclude_outside"])
-        w = w.astype(x.dtype)
-        # a few taps per output: accumulate shifted gathers instead of looping over elements
-        y = np.take(x, idx[:, 0], axis=axis)
-        y *= w[:, 0].reshape(bshape)
-        for k in range(1, idx.shape[1]):
-            tap = np.take(x, idx[:, k], axis=axis)
-            tap *= w[:, k].reshape(bshape)
-            y += tap
-    if outside is not None:
-        y = np.where(outside.reshape(bshape), x.dtype.type(attrs["extrapolation_value"]), y)
-    return y
-
-
-def _output_plan(X, scales, sizes, axes, policy):
-    """Per resized axis: (axis, output length, scale used by the coordinate transform)."""
-    in_sizes = [X.shape[a] for a in axes]
-    have_scales = scales is not None and scales.size > 0
-    have_sizes = sizes is not None and sizes.size > 0
-    if have_scales == have_sizes:
-        raise ValueError("Resize needs exactly one of the scales and sizes inputs")
-    if have_scales:
-        scales = [float(s) for s in np.asarray(scales, dtype=np.float64).ravel()]
-        if len(scales) != len(axes):
-            raise ValueError(f"scales has {len(scales)} values for {len(axes)} resized axes")
-        if min(scales) <= 0:
-            raise ValueError(f"scales must be positive, got {scales}")
-        return [(a, int(math.floor(s * n)), s) for a, s, n in zip(axes, scales, in_sizes)]
-    sizes = [int(s) for s in np.asarray(sizes).ravel()]
-    if len(sizes) != len(axes):
-        raise ValueError(f"sizes has {len(sizes)} values for {len(axes)} resized axes")
-    if min(sizes) <= 0:
-        raise ValueError(f"sizes must be positive, got {sizes}")
-    ratios = [s / n for s, n in zip(sizes, in_sizes)]
-    if policy == "stretch":
-        return [(a, s, r) for a, s, r in zip(axes, sizes, ratios)]
-    if policy not in ("not_larger", "not_smaller"):
-        raise ValueError(f"unknown keep_aspect_ratio_policy {policy!r}")
-    r = min(ratios) if policy == "not_larger" else max(ratios)
-    return [(a, int(r * n + 0.5), r) for a, n in zip(axes, in_sizes)]  # round half up
 
 
 def _resize(X, roi, scales, sizes, *, mode, coordinate_transformation_mode, nearest_mode="round_prefer_floor",
@@ -349,12 +234,12 @@ def _resize(X, roi, scales, sizes, *, mode, coordinate_transformation_mode, near
         raise ValueError(f"unknown Resize mode {mode!r}")
     if coordinate_transformation_mode not in _COORDINATE_MODES:
         raise ValueError(f"unknown coordinate_transformation_mode {coordinate_transformation_mode!r}")
-    if nearest_mode not in _NEAREST_ROUNDING:
+    if nearest_mode not in NEAREST_ROUNDING:
         raise ValueError(f"unknown nearest_mode {nearest_mode!r}")
     axes = list(range(X.ndim)) if axes is None else [_axis(a, X.ndim, "Resize axis") for a in axes]
     if len(set(axes)) != len(axes):
         raise ValueError(f"Resize axes {axes} repeat an axis")
-    plan = _output_plan(X, scales, sizes, axes, keep_aspect_ratio_policy)
+    plan = resize_output_plan(X, scales, sizes, axes, keep_aspect_ratio_policy)
     rois = [None] * len(axes)
     if coordinate_transformation_mode == "tf_crop_and_resize":
         if roi is None or roi.size != 2 * len(axes):
@@ -374,7 +259,7 @@ def _resize(X, roi, scales, sizes, *, mode, coordinate_transformation_mode, near
     order = sorted(range(len(plan)), key=lambda i: (plan[i][1] / max(X.shape[plan[i][0]], 1), -plan[i][0]))
     for i in order:
         axis, out_len, scale = plan[i]
-        y = _resize_axis(y, axis, out_len, scale, rois[i], attrs)
+        y = resize_axis(y, axis, out_len, scale, rois[i], attrs)
     if interpolating and X.dtype.kind in "iu":
         info = np.iinfo(X.dtype)
         y = np.clip(np.rint(y), info.min, info.max)

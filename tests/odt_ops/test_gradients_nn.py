@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
 from odt_ops.grad import build_gradients
-from odt_ops.kernels.conv import _geometry, _window_counts
+from odt_ops.kernels.geometry import window_counts, window_geometry
 from tests.odt_ops.gradcheck import EXECUTORS, check_gradients, compile_model, error_report, make_model, numeric_gradients, training_model, with_projection_loss
 
 SETTINGS = settings(deadline=None, max_examples=8, database=None, suppress_health_check=list(HealthCheck))
@@ -165,8 +165,8 @@ def assume_regular_pool(spatial, attrs):
     ceil_mode window starts past the input (the kernels drop it, as onnxruntime does; onnx shape
     inference keeps it)."""
     window = {k: attrs.get(k) for k in ("strides", "dilations", "pads")}
-    geo = _geometry(spatial, attrs["kernel_shape"], auto_pad=attrs["auto_pad"], ceil_mode=attrs.get("ceil_mode", 0), **window)
-    assume((_window_counts(spatial, geo, False) > 0).all())
+    geo = window_geometry(spatial, attrs["kernel_shape"], auto_pad=attrs["auto_pad"], ceil_mode=attrs.get("ceil_mode", 0), **window)
+    assume((window_counts(spatial, geo, False) > 0).all())
     kept = [-(-(n + b + e - x) // s) + 1 for n, b, e, x, s in zip(spatial, geo.begin, geo.end, geo.extents, geo.strides)]
     assume(not attrs.get("ceil_mode") or list(geo.out) == kept)
 

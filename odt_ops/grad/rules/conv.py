@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from odt_ops.grad.registry import gradient
-from odt_ops.kernels.conv import _geometry, _per_axis, _transpose_pads, _window_counts
+from odt_ops.kernels.geometry import ShapeOnly, per_axis, transpose_pads, window_counts, window_geometry
 
 INT64_MIN = np.iinfo(np.int64).min
 
@@ -73,7 +73,7 @@ def _forward_geometry(ctx, spatial: tuple[int, ...], kernel: tuple[int, ...]):
     """The forward kernels' geometry of a Conv or pool over an input of ``spatial`` size."""
     a = ctx.attrs
     try:
-        return _geometry(spatial, kernel, strides=a.get("strides"), dilations=a.get("dilations"), pads=a.get("pads"),
+        return window_geometry(spatial, kernel, strides=a.get("strides"), dilations=a.get("dilations"), pads=a.get("pads"),
                          auto_pad=a.get("auto_pad", "NOTSET"), ceil_mode=a.get("ceil_mode", 0))
     except ValueError as exc:
         raise ctx.fail(str(exc)) from None
@@ -160,13 +160,6 @@ def _bias_grad(ctx, dY: str) -> str:
     return ctx.b.ReduceSum(dY, ctx.ints([0, *_spatial_axes(ctx.rank(dY) - 2)]), keepdims=0)
 
 
-class _Shaped:
-    """Stands in for an array where a kernel helper only reads ``.shape``."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        self.shape = shape
-
-
 @gradient("Conv")
 def conv_grad(ctx, dY):
     """dX = ConvTranspose(dY, W) with the forward window, dW = sum over the batch and the output
@@ -188,9 +181,9 @@ def conv_transpose_grad(ctx, dY):
     a, spatial, kernel = ctx.attrs, _spatial(ctx, X), _spatial(ctx, W)
     rank, group = len(spatial), a["group"]
     try:
-        strides = _per_axis("strides", a.get("strides"), rank, 1, minimum=1)
-        dilations = _per_axis("dilations", a.get("dilations"), rank, 1, minimum=1)
-        begin, out = _transpose_pads(_Shaped((0, 0, *spatial)), kernel, strides=strides, dilations=dilations,
+        strides = per_axis("strides", a.get("strides"), rank, 1, minimum=1)
+        dilations = per_axis("dilations", a.get("dilations"), rank, 1, minimum=1)
+        begin, out = transpose_pads(ShapeOnly((0, 0, *spatial)), kernel, strides=strides, dilations=dilations,
                                      pads=a.get("pads"), auto_pad=a.get("auto_pad", "NOTSET"),
                                      output_padding=a.get("output_padding"), output_shape=a.get("output_shape"))
     except ValueError as exc:
@@ -246,7 +239,7 @@ def average_pool_grad(ctx, dY):
     padding, as count_include_pad says)"""
     X = ctx.inputs[0]
     spatial, geo = _pool_geometry(ctx, X)
-    counts = _window_counts(spatial, geo, bool(ctx.attrs["count_include_pad"]))
+    counts = window_counts(spatial, geo, bool(ctx.attrs["count_include_pad"]))
     full = math.prod(geo.kernel)
     scale = 1.0 / full if (counts == full).all() else 1.0 / counts
     g = ctx.b.Mul(dY, ctx.const(scale, like=X))

@@ -408,33 +408,6 @@ def cast_like_grad(ctx, dY):
     return (ctx.b.CastLike(dY, ctx.inputs[0]), None)
 
 
-@gradient("Identity")
-def identity_grad(ctx, dY):
-    """dX = dY"""
-    return (dY,)
-
-
-@gradient("Dropout")
-def dropout_grad(ctx, dY, dMask=None):
-    """dX = dY * mask / (1 - ratio) in training mode, dY in inference mode"""
-    b, (X, ratio, training) = ctx.b, ctx.inputs[:3]
-    mode = ctx.value(training) if training else np.array(False)
-    if mode is not None and not bool(mode):
-        return (dY,)
-    mask = ctx.output(1)
-    r = ctx.value(ratio) if ratio else np.array(0.5)
-    if r is not None:
-        if not 0 <= float(r) < 1:
-            raise ctx.fail(f"the dropout ratio is {float(r)}; training needs 0 <= ratio < 1")
-        scale = ctx.const(1.0 / (1.0 - float(r)), like=X)
-    else:
-        one = ctx.const(1, like=X)
-        scale = b.Div(one, b.Sub(one, b.CastLike(ratio, X)))
-    if mode is None:  # decided at run time; the mask is all true in inference mode
-        scale = b.Where(training, scale, ctx.const(1, like=X))
-    return (b.Where(mask, b.Mul(dY, scale), ctx.const(0, like=X)),)
-
-
 def _zero_grad(ctx, *grads):
     """dX = 0 (piecewise constant)"""
     return ()

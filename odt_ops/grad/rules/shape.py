@@ -1,7 +1,7 @@
 """Gradient rules: reshaping, permuting, joining, slicing, gathering and padding.
 
 Pure data movement has a uniform gradient: run the same movement on the map of X's
-flat positions and scatter-add dY back to the positions it read (``_through_positions``).
+flat positions and scatter-add dY back to the positions it read (``through_positions``).
 Rules use it where no cheaper inverse exists (strided or reversed Slice, Pad's reflect/
 edge/wrap modes, Tile with run-time repeats, Compress, ReverseSequence).
 """
@@ -24,7 +24,7 @@ for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
     gradient(_op)(_reshape_back)
 
 
-def _through_positions(ctx, dY, move, *, duplicates: bool) -> str:
+def through_positions(ctx, dY, move, *, duplicates: bool) -> str:
     """dX for an op that only moves X's elements: ``move`` applied to the map of X's flat
     positions says where each element of Y came from; dY is scattered (added, when an
     element may be read twice) back to those positions."""
@@ -90,7 +90,7 @@ def slice_grad(ctx, dY):
         begin, end, axes_ = pads
         return (b.Pad(dY, ctx.ints(begin + end), "", ctx.ints(axes_)),)
     move = lambda positions: b.Slice(positions, starts, ends, axes or None, steps or None)  # noqa: E731
-    return (_through_positions(ctx, dY, move, duplicates=False),)
+    return (through_positions(ctx, dY, move, duplicates=False),)
 
 
 def _slice_pads(ctx):
@@ -245,29 +245,10 @@ def tile_grad(ctx, dY):
     b, (X, repeats) = ctx.b, ctx.inputs[:2]
     reps, shape = ctx.value(repeats), ctx.static_shape(X)
     if reps is None or shape is None:
-        return _through_positions(ctx, dY, lambda positions: b.Tile(positions, repeats), duplicates=True), None
+        return through_positions(ctx, dY, lambda positions: b.Tile(positions, repeats), duplicates=True), None
     interleaved = [v for pair in zip(reps.tolist(), shape) for v in pair]
     blocks = b.Reshape(dY, ctx.ints(interleaved))
     return b.ReduceSum(blocks, ctx.ints(list(range(0, 2 * len(shape), 2))), keepdims=0), None
-
-
-@gradient("Pad")
-def pad_grad(ctx, dY):
-    """constant mode: dX = dY with the padding cut off (Pad by -pads); other modes: the
-    padded copies scattered back to their sources"""
-    b, (X, pads, _value, axes) = ctx.b, ctx.inputs[:4]
-    if ctx.attrs["mode"] != "constant":
-        move = lambda positions: b.Pad(positions, pads, "", axes, mode=ctx.attrs["mode"])  # noqa: E731
-        return (_through_positions(ctx, dY, move, duplicates=True),)
-    static = ctx.value(pads)
-    if static is not None and (static >= 0).all():
-        half = static.size // 2
-        begin, end = static[:half].tolist(), static[half:].tolist()
-        rank = ctx.rank(X)
-        axes_ = ctx.value(axes).tolist() if axes else list(range(rank))
-        ends = [-e if e else INT64_MAX for e in end]
-        return (b.Slice(dY, ctx.ints(begin), ctx.ints(ends), ctx.ints(axes_)),)
-    return (b.Pad(dY, b.Neg(pads), "", axes),)
 
 
 @gradient("Compress")
@@ -276,7 +257,7 @@ def compress_grad(ctx, dY):
     b, (_x, condition) = ctx.b, ctx.inputs[:2]
     axis = ctx.attrs.get("axis")
     move = lambda positions: b.Compress(positions, condition, axis=axis)  # noqa: E731
-    return _through_positions(ctx, dY, move, duplicates=False), None
+    return through_positions(ctx, dY, move, duplicates=False), None
 
 
 @gradient("ReverseSequence")
@@ -291,3 +272,9 @@ def trilu_grad(ctx, dY):
     """dX = trilu(dY) with the same k and upper"""
     X, k = ctx.inputs[:2]
     return ctx.b.Trilu(dY, k, upper=ctx.attrs["upper"]), None
+
+
+@gradient("Identity")
+def identity_grad(ctx, dY):
+    """dX = dY"""
+    return (dY,)
