@@ -1,4 +1,9 @@
-"""CheckpointState: parameters, buffers, optimizer state and a property bag, as in onnxruntime.training.api."""
+"""CheckpointState: parameters, buffers, optimizer state and a property bag, as in onnxruntime.training.api.
+
+The state and the views it hands out (Parameter, parameters, properties) read the
+Checkpoint through the state's TrainingState, the object a Module, its Optimizer and the
+schedulers share with it.
+"""
 from __future__ import annotations
 
 import os
@@ -6,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from odt_ops.api.training_state import TrainingState
 from odt_ops.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from odt_ops.errors import CheckpointError
 
@@ -16,34 +22,34 @@ class Parameter:
     """One parameter: ``data`` (get/set), ``grad`` (accumulated gradient, or None), ``requires_grad``."""
 
     def __init__(self, state: "CheckpointState", name: str):
-        self._state, self.name = state, name
+        self._training, self.name = state.training_state, name
 
     @property
     def data(self) -> np.ndarray:
-        return self._state._checkpoint.parameters[self.name]
+        return self._training.checkpoint.parameters[self.name]
 
     @data.setter
     def data(self, value: np.ndarray) -> None:
         current = self.data
         value = np.asarray(value)
-        shape, dtype = self._state._checkpoint.spec(self.name)
+        shape, dtype = self._training.checkpoint.spec(self.name)
         if value.shape != shape or value.dtype != dtype:
             raise CheckpointError(f"parameter {self.name!r}: expected {dtype}{list(shape)}, got {value.dtype}{list(value.shape)}")
         if current.size == value.size and current.flags.writeable:
             np.copyto(current, value)  # keep the module's view into its contiguous buffer
         else:
-            self._state._checkpoint.parameters[self.name] = value.copy()
+            self._training.checkpoint.parameters[self.name] = value.copy()
 
     @property
     def grad(self) -> np.ndarray | None:
-        return self._state._grads.get(self.name)
+        return self._training.grads.views.get(self.name)
 
     @property
     def requires_grad(self) -> bool:
-        return self._state._checkpoint.requires_grad.get(self.name, False)
+        return self._training.checkpoint.requires_grad.get(self.name, False)
 
     def __repr__(self) -> str:
-        shape, dtype = self._state._checkpoint.spec(self.name)
+        shape, dtype = self._training.checkpoint.spec(self.name)
         return f"Parameter(name={self.name!r}, shape={list(shape)}, dtype={dtype}, requires_grad={self.requires_grad})"
 
 
@@ -82,23 +88,23 @@ class Parameters(_PairView):
     ``(name, Parameter)`` pairs, as ONNX Runtime's does."""
 
     def __init__(self, state: "CheckpointState"):
-        self._state = state
+        self._state, self._training = state, state.training_state
 
     def _names(self) -> list[str]:
-        return list(self._state._checkpoint.parameters)
+        return list(self._training.checkpoint.parameters)
 
     def __getitem__(self, name: str) -> Parameter:
-        ckpt = self._state._checkpoint
+        ckpt = self._training.checkpoint
         if name not in ckpt.parameters:
             raise KeyError(f"no parameter {name!r}; the parameters are {list(ckpt.parameters)}")
         if name in ckpt.missing:
-            raise CheckpointError(f"{self._state._source}: {name!r} has no values in this nominal checkpoint. Please load the "
+            raise CheckpointError(f"{self._training.source}: {name!r} has no values in this nominal checkpoint. Please load the "
                                   "parameter states first (module.copy_buffer_to_parameters(buffer, trainable_only=False))")
         return Parameter(self._state, name)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
-        if name in self._state._checkpoint.missing:
-            raise CheckpointError(f"{self._state._source}: cannot set {name!r} of a nominal checkpoint one by one. Please load "
+        if name in self._training.checkpoint.missing:
+            raise CheckpointError(f"{self._training.source}: cannot set {name!r} of a nominal checkpoint one by one. Please load "
                                   "all the parameter states first (module.copy_buffer_to_parameters(buffer, trainable_only=False))")
         self[name].data = value
 
@@ -108,7 +114,7 @@ class Properties(_PairView):
     yields ``(key, value)`` pairs, as ONNX Runtime's does."""
 
     def __init__(self, state: "CheckpointState"):
-        self._props = state._checkpoint.properties
+        self._props = state.training_state.checkpoint.properties
 
     def _names(self) -> list[str]:
         return list(self._props)
@@ -126,13 +132,11 @@ class Properties(_PairView):
 
 
 class CheckpointState:
-    """The training state shared by a Module and its Optimizer."""
+    """The training state shared by a Module and its Optimizer (``training_state``, which a Module
+    binding this state fills in)."""
 
     def __init__(self, checkpoint: Checkpoint, source: str = "<in-memory checkpoint>"):
-        self._checkpoint = checkpoint
-        self._source = source
-        self._grads: dict[str, np.ndarray] = {}  # filled by the Module that binds this state
-        self._module = None
+        self.training_state = TrainingState(checkpoint, source)
 
     @classmethod
     def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> "CheckpointState":
@@ -140,9 +144,8 @@ class CheckpointState:
 
     @classmethod
     def save_checkpoint(cls, state: "CheckpointState", checkpoint_uri: str | os.PathLike, include_optimizer_state: bool = False) -> None:
-        if state._module is not None:
-            state._module._sync_to_state()
-        save_checkpoint(state._checkpoint, checkpoint_uri, include_optimizer_state=include_optimizer_state)
+        state.training_state.sync()
+        save_checkpoint(state.training_state.checkpoint, checkpoint_uri, include_optimizer_state=include_optimizer_state)
 
     @property
     def parameters(self) -> Parameters:
@@ -168,6 +171,5 @@ class CheckpointState:
     @property
     def checkpoint(self) -> Checkpoint:
         """The underlying Checkpoint (for odt_ops.export and tools)."""
-        if self._module is not None:
-            self._module._sync_to_state()
-        return self._checkpoint
+        self.training_state.sync()
+        return self.training_state.checkpoint

@@ -10,7 +10,6 @@ others add theirs until the next reset.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -20,56 +19,11 @@ import onnx
 
 from odt_ops import meta
 from odt_ops.api.checkpoint_state import CheckpointState
-from odt_ops.checkpoint import ENGINE_RNG, check_matches
-from odt_ops.errors import CheckpointError, InputError, OdtError
+from odt_ops.api.training_state import CompiledStep, FlatBuffers, TrainingState
+from odt_ops.errors import ArtifactError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
 from odt_ops.ir.load import read_model
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
-
-# ONNX Runtime's words, so code that matches its message keeps working
-NOMINAL_NOT_LOADED = "Please load the model parameters first."
-
-
-class TrainingDivergedError(OdtError):
-    """The loss became NaN or infinite; parameters and gradients were left untouched."""
-
-
-class FlatBuffers:
-    """Named arrays laid out back to back in one buffer per dtype; the matrices named in
-    ``transposed`` are stored column by column (their views are F-ordered)."""
-
-    def __init__(self, specs: dict[str, tuple[tuple[int, ...], np.dtype]], transposed: frozenset[str] = frozenset()):
-        self.names = list(specs)
-        self.specs = specs
-        self.transposed = frozenset(n for n in transposed if n in specs and len(specs[n][0]) == 2)
-        self.buffers: dict[np.dtype, np.ndarray] = {}
-        self.views: dict[str, np.ndarray] = {}
-        sizes: dict[np.dtype, int] = {}
-        for shape, dtype in specs.values():
-            sizes[np.dtype(dtype)] = sizes.get(np.dtype(dtype), 0) + int(np.prod(shape, dtype=np.int64))
-        for dtype, size in sizes.items():
-            self.buffers[dtype] = np.zeros(size, dtype)
-        offsets = dict.fromkeys(self.buffers, 0)
-        for name, (shape, dtype) in specs.items():
-            dtype = np.dtype(dtype)
-            n = int(np.prod(shape, dtype=np.int64))
-            run = self.buffers[dtype][offsets[dtype] : offsets[dtype] + n]
-            self.views[name] = run.reshape(shape[::-1]).T if name in self.transposed else run.reshape(shape)
-            offsets[dtype] += n
-
-    def like(self) -> "FlatBuffers":
-        return FlatBuffers(self.specs, self.transposed)
-
-    def flat(self) -> np.ndarray:
-        """All values in name order, each row-major, as one array (a copy when there are several
-        dtypes or transposed matrices)."""
-        if len(self.buffers) == 1 and not self.transposed:
-            return next(iter(self.buffers.values()))
-        return np.concatenate([self.views[n].ravel() for n in self.names]) if self.names else np.zeros(0, np.float32)
-
-    @property
-    def size(self) -> int:
-        return sum(b.size for b in self.buffers.values())
 
 
 class ContiguousParameters(np.ndarray):
@@ -95,6 +49,28 @@ def _transposed_weights(graph: onnx.GraphProto, names: Sequence[str]) -> frozens
         return node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and i == 1 and trans_b == 1
 
     return frozenset(n for n in names if readers.get(n) and all(transposed_b(node, i) for node, i in readers[n]))
+
+
+def _check_roles(info: meta.ArtifactInfo, graph: onnx.GraphProto, source: str, training: bool) -> None:
+    """The metadata names the graph's inputs and outputs exactly (a damaged or hand-edited file
+    fails here, by name, rather than deep in the plan)."""
+    inputs = {i.name for i in graph.input}
+    roles = [*info.user_inputs, *info.labels, *info.parameters, *info.buffers, *info.unfed_inputs]
+    produced = inputs | {o for node in graph.node for o in node.output} | {t.name for t in graph.initializer}
+    outputs = [info.loss, *info.extra_outputs]
+    if training:
+        outputs += [*info.gradients.values(), *info.buffer_updates.values()]
+    problems = []
+    if set(roles) != inputs or len(roles) != len(set(roles)):
+        problems.append(f"its roles name the inputs {sorted(roles)} but the graph's inputs are {sorted(inputs)}")
+    absent = [o for o in outputs if o not in produced]
+    if absent:
+        problems.append(f"{absent} are named as outputs but the graph computes no such values")
+    unknown = [p for p in info.gradients if p not in info.trainable]
+    if unknown:
+        problems.append(f"gradients are listed for {unknown}, which are not trainable")
+    if problems:
+        raise ArtifactError(f"{source}: the {meta.ARTIFACT_KEY!r} metadata does not fit the graph: " + "; ".join(problems))
 
 
 def _without_readers_of(graph: onnx.GraphProto, names: set[str]) -> onnx.GraphProto:
@@ -139,25 +115,29 @@ class Module:
         # thread and provider settings have no meaning for the numpy engine
         self.session_options = session_options
         self._state = state
+        # what this Module shares with the state, the Optimizer and the schedulers
+        self.training_state: TrainingState = state.training_state
         # one generator for every random draw (Dropout masks), so a seed makes a run repeatable
         self._rng = np.random.default_rng(seed)
         train = read_model(train_model_uri)
         self._info = meta.read(train.proto, train.source)
-        self._bind(state, train.proto.graph, train.source)
-        self._train = self._compile(train.proto, self._info, training=True)
-        self._eval = None
+        self._bind(train.proto.graph, train.source)
+        # the compiled train and eval steps (read by diagnostics such as odt_ops.benchmark.profile)
+        self.compiled_train: CompiledStep = self._compile(train.proto, self._info, training=True, source=train.source)
+        self.compiled_eval: CompiledStep | None = None
         self._eval_proto = None
         if eval_model_uri is not None:
             ev = read_model(eval_model_uri)
             self._eval_proto = ev.proto
             self._eval_info = meta.read(ev.proto, ev.source)
-            self._eval = self._compile(ev.proto, self._eval_info, training=False)
+            self.compiled_eval = self._compile(ev.proto, self._eval_info, training=False, source=ev.source)
         self.training = True
         self._reset_grad = True
 
     # ---- construction -------------------------------------------------------------------
-    def _compile(self, proto: onnx.ModelProto, info: meta.ArtifactInfo, *, training: bool):
+    def _compile(self, proto: onnx.ModelProto, info: meta.ArtifactInfo, *, training: bool, source: str) -> CompiledStep:
         graph = proto.graph
+        _check_roles(info, graph, source, training)
         specs = {v.name: ValueSpec.of(v) for v in graph.input}
         data_inputs = [*info.user_inputs, *info.labels]
         outputs = [info.loss, *info.extra_outputs]
@@ -172,65 +152,37 @@ class Module:
             graph = _without_readers_of(graph, set(info.unfed_inputs))
         opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
         constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
-        plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng,
-                    destinations=destinations, checks=checks)
-        return {"plan": plan, "inputs": [specs[n] for n in data_inputs], "n_outputs": 1 + len(info.extra_outputs),
-                "specs": specs}
+        try:
+            plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng,
+                        destinations=destinations, checks=checks)
+        except ModelCheckError as exc:  # the artifact's graph itself is broken: say which file
+            raise ModelCheckError(f"{source}: {exc}") from None
+        except UnsupportedOpError as exc:
+            raise UnsupportedOpError(exc.missing, exc.what, source) from None
+        return CompiledStep(plan, tuple(specs[n] for n in data_inputs), 1 + len(info.extra_outputs))
 
-    def _bind(self, state: CheckpointState, graph: onnx.GraphProto, source: str) -> None:
+    def _bind(self, graph: onnx.GraphProto, source: str) -> None:
         specs = {v.name: ValueSpec.of(v) for v in graph.input}
         info = self._info
         expected = {n: (tuple(specs[n].shape), specs[n].dtype) for n in (*info.parameters, *info.buffers)}
-        check_matches(state._checkpoint, expected, f"{state._source} for {source}")
-        ckpt = state._checkpoint
-        wrong = [n for n in info.trainable if not ckpt.requires_grad.get(n, False)]
-        if wrong:
-            raise CheckpointError(f"{state._source}: {wrong} are trainable in the artifacts but frozen in the checkpoint")
         # a weight that only ever enters Gemm as a transposed B is stored transposed, so BLAS reads
         # B^T as a plain row-major matrix (what onnxruntime gets by prepacking constant weights;
         # a 784x256 layer at batch 64: 0.30 -> 0.27 ms). Its gradient and optimizer states share
         # the layout, so the optimizer's elementwise update over the flat buffers is unchanged.
         transposed = _transposed_weights(graph, info.parameters)
-        self.params = FlatBuffers({n: expected[n] for n in info.trainable}, transposed)
-        self.frozen = FlatBuffers({n: expected[n] for n in info.frozen}, transposed)
-        self.grads = self.params.like()
-        for n in info.buffers:  # onnxblock.save_checkpoint stores running statistics among the frozen parameters
-            if n not in ckpt.buffers and n in ckpt.parameters:
-                ckpt.buffers[n] = ckpt.parameters.pop(n)
-                ckpt.requires_grad.pop(n, None)
-        self.buffers = {n: np.array(ckpt.buffers[n], dtype=expected[n][1]) for n in info.buffers}
-        unloaded_buffers = sorted(n for n in info.buffers if n in ckpt.missing)
-        if unloaded_buffers:
-            raise CheckpointError(f"{state._source}: the nominal checkpoint has no values for the buffers {unloaded_buffers} "
-                                  "(an earlier version left them out); generate the nominal checkpoint again")
-        for flat in (self.params, self.frozen):
-            for name, view in flat.views.items():
-                if name not in ckpt.missing:
-                    np.copyto(view, ckpt.parameters[name])
-                ckpt.parameters[name] = view
-        for name, array in self.buffers.items():
-            ckpt.buffers[name] = array
-        self._ckpt = ckpt
-        state._grads = dict(self.grads.views)
-        state._module = self
-        if ENGINE_RNG in ckpt.engine:
-            self._rng.bit_generator.state = json.loads(ckpt.engine[ENGINE_RNG])
+        ts = self.training_state
+        ts.bind(info, expected, transposed, self._rng, source)
+        # this Module's own references (a later Module binding the same state does not move them)
+        self.params, self.frozen, self.grads, self.buffers = ts.params, ts.frozen, ts.grads, ts.buffers
+        self._ckpt = ckpt = ts.checkpoint
         self._param_feeds = [ckpt.parameters[n] for n in info.parameters] + [self.buffers[n] for n in info.buffers]
         self._grad_views = [self.grads.views[p] for p in info.trainable if p in info.gradients]
         self._pending: tuple[FlatBuffers, list] | None = None  # an accumulating step's gradients, made on first use
         self._buffer_targets = [self.buffers[b] for b in info.buffer_updates]
 
-    def _sync_to_state(self) -> None:
-        """Record what lives outside the arrays (the generator) in the state."""
-        self._ckpt.engine[ENGINE_RNG] = json.dumps(self._rng.bit_generator.state)
-
     def require_loaded(self) -> None:
         """Raise unless every parameter holds values (a nominal checkpoint's must be copied in)."""
-        if self._ckpt.missing:
-            raise CheckpointError(
-                f"{NOMINAL_NOT_LOADED} {self._state._source} is a nominal checkpoint and {sorted(self._ckpt.missing)[:8]} "
-                "have no values: call module.copy_buffer_to_parameters(buffer, trainable_only=False) with the weights"
-            )
+        self.training_state.require_loaded()
 
     # ---- onnxruntime's Module surface ------------------------------------------------------
     def train(self, mode: bool = True) -> "Module":
@@ -238,7 +190,7 @@ class Module:
         return self
 
     def eval(self) -> "Module":
-        if self._eval is None:
+        if self.compiled_eval is None:
             raise InputError("this Module has no eval model; pass eval_model_uri to Module(...)")
         self.training = False
         return self
@@ -246,32 +198,32 @@ class Module:
     def __call__(self, *user_inputs):
         if self._ckpt.missing:
             self.require_loaded()
-        step = self._train if self.training else self._eval
+        step = self.compiled_train if self.training else self.compiled_eval
         if step is None:
             raise InputError("this Module has no eval model; pass eval_model_uri to Module(...)")
-        specs = step["inputs"]
+        specs = step.inputs
         if len(user_inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({[s.name for s in specs]}), got {len(user_inputs)}")
         feeds = [spec.check(_as_array(x)) for spec, x in zip(specs, user_inputs)]
-        n = step["n_outputs"]
+        n = step.n_outputs
         if self.training:
             # a reset step computes the gradients into their buffer; an accumulating one into a
             # second buffer of the same layout, added to the first in one pass per dtype
             if self._reset_grad:
-                outs = step["plan"].run(feeds + self._param_feeds, into=self._grad_views)
+                outs = step.plan.run(feeds + self._param_feeds, into=self._grad_views)
                 self._reset_grad = False
             else:
                 if self._pending is None:
                     pending = self.grads.like()
                     self._pending = pending, [pending.views[p] for p in self._info.trainable if p in self._info.gradients]
                 pending, views = self._pending
-                outs = step["plan"].run(feeds + self._param_feeds, into=views)
+                outs = step.plan.run(feeds + self._param_feeds, into=views)
                 for dtype, buffer in self.grads.buffers.items():
                     buffer += pending.buffers[dtype]
             for target, new in zip(self._buffer_targets, outs[n + len(self._grad_views) :]):
                 np.copyto(target, new)
         else:
-            outs = step["plan"].run(feeds + self._param_feeds)
+            outs = step.plan.run(feeds + self._param_feeds)
         user = [np.asarray(o) for o in outs[:n]]  # 0-d results come back from numpy as scalars
         wrap = next((type(x).ortvalue_from_numpy for x in user_inputs if hasattr(type(x), "ortvalue_from_numpy")), None)
         if wrap is not None:  # given onnxruntime OrtValues, answer in kind as ONNX Runtime does
@@ -283,8 +235,8 @@ class Module:
         self._reset_grad = True
 
     def input_names(self) -> list[str]:
-        step = self._train if self.training else self._eval
-        return [s.name for s in step["inputs"]]
+        step = self.compiled_train if self.training else self.compiled_eval
+        return [s.name for s in step.inputs]
 
     def output_names(self) -> list[str]:
         info = self._info if self.training else self._eval_info
@@ -320,7 +272,7 @@ class Module:
         """An inference-only model: the eval graph without loss and labels, weights baked in."""
         from odt_ops.export import export_inference_model
 
-        if self._eval is None:
+        if self.compiled_eval is None:
             raise InputError("exporting needs the eval model; pass eval_model_uri to Module(...)")
         self.require_loaded()
         export_inference_model(self._eval_proto, self._state.checkpoint, inference_model_uri, graph_output_names)

@@ -2,8 +2,9 @@
 
 The update runs as one in-place numpy pass over the Module's contiguous parameter
 buffer (the same arithmetic as the optimizer graph; tests hold the two equal). Its
-state (step, learning rate, moments) lives in the CheckpointState, so saving the
-state with include_optimizer_state=True and loading it later resumes exactly.
+state (step, learning rate, moments) lives in the CheckpointState (reached through the
+Module's ``training_state``), so saving the state with include_optimizer_state=True and
+loading it later resumes exactly.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import os
 import numpy as np
 
 from odt_ops import meta
-from odt_ops.api.module import FlatBuffers, Module
+from odt_ops.api.module import Module
+from odt_ops.api.training_state import FlatBuffers, TrainingState
 from odt_ops.checkpoint import OptimizerState
 from odt_ops.errors import ArtifactError, CheckpointError
 from odt_ops.ir.load import read_model
@@ -28,9 +30,12 @@ def optimizer_from_metadata(data: dict, source: str) -> optim.Optimizer:
     if cls is None:
         raise ArtifactError(f"{source}: unknown optimizer kind {data.get('kind')!r}; known: {sorted(_KINDS)}")
     params = dict(data.get("hyperparameters", {}))
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
-    return cls(**params)
+    try:
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+        return cls(**params)
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"{source}: the {data.get('kind')} hyperparameters {params} are damaged: {exc}") from None
 
 
 class Optimizer:
@@ -38,11 +43,13 @@ class Optimizer:
         proto = read_model(optimizer_uri)
         data = meta.read_optimizer(proto.proto, proto.source)
         self._opt = optimizer_from_metadata(data, proto.source)
+        # what this Optimizer shares with the Module, the CheckpointState and the schedulers
+        self.training_state: TrainingState = module.training_state
+        ts = self.training_state
         listed = [p["name"] for p in data["parameters"]]
-        if listed != module._info.trainable:
-            raise ArtifactError(f"{proto.source}: the optimizer updates {listed}, the training model trains {module._info.trainable}")
-        self._module = module
-        ckpt = module._state._checkpoint
+        if listed != ts.roles.trainable:
+            raise ArtifactError(f"{proto.source}: the optimizer updates {listed}, the training model trains {ts.roles.trainable}")
+        ckpt = ts.checkpoint
         saved = ckpt.optimizer
         self._states = {s: module.params.like() for s in self._opt.state_names}
         if saved is None:
@@ -52,25 +59,28 @@ class Optimizer:
                 for sname, flat in self._states.items():
                     value = saved.states.get(pname, {}).get(sname)
                     if value is None:
-                        raise CheckpointError(f"{module._state._source}: optimizer state {sname!r} of {pname!r} is missing")
+                        raise CheckpointError(f"{ts.source}: optimizer state {sname!r} of {pname!r} is missing")
                     np.copyto(flat.views[pname], value)
         ckpt.optimizer.states = {p: {s: flat.views[p] for s, flat in self._states.items()} for p in module.params.names}
-        self._state = ckpt.optimizer
+        self._progress: OptimizerState = ckpt.optimizer  # step and learning rates; the same object as ts.optimizer
+        # per dtype: the update's arguments, made once (the buffers never move)
+        grads = module.grads
+        self._groups = [([buffer], [grads.buffers[dtype]], [[flat.buffers[dtype] for flat in self._states.values()]])
+                        for dtype, buffer in module.params.buffers.items()]
 
     def step(self) -> None:
         """One update of every trainable parameter from its accumulated gradient."""
-        self._module.require_loaded()
-        self._state.step += 1
-        params, grads = self._module.params, self._module.grads
-        for dtype, buffer in params.buffers.items():
-            states = [[flat.buffers[dtype] for flat in self._states.values()]]
-            self._opt.update([buffer], [grads.buffers[dtype]], states, self._state.learning_rate, self._state.step)
+        self.training_state.require_loaded()
+        progress = self._progress
+        progress.step += 1
+        for params, grads, states in self._groups:
+            self._opt.update(params, grads, states, progress.learning_rate, progress.step)
 
     def set_learning_rate(self, learning_rate: float) -> None:
-        self._state.learning_rate = float(learning_rate)
+        self._progress.learning_rate = float(learning_rate)
 
     def get_learning_rate(self) -> float:
-        return float(self._state.learning_rate)
+        return float(self._progress.learning_rate)
 
     @property
     def optimizer(self) -> optim.Optimizer:

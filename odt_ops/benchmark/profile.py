@@ -4,7 +4,8 @@ In one process (single-threaded BLAS, set before numpy loads): the step split in
 Module call (forward + backward plan), Optimizer.step and lazy_reset_grad; the time of
 every node of the training plan (each kernel wrapped in a timer, so the rest of the
 Module call is the engine's Python overhead); then cProfile's top functions. It reads
-the Module's compiled plan (a private attribute), so it is a diagnostic, not an API.
+the Module's compiled plan (``module.compiled_train.plan``) and wraps its kernels, so it
+is a diagnostic, not an API.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def profile(config_name: str, batch: int, steps: int, top: int) -> str:
         call_ms = _median_ms(lambda: module(x, y), steps)
         opt_ms = _median_ms(optimizer.step, steps)
         reset_ms = _median_ms(module.lazy_reset_grad, steps)
-        plan = module._train["plan"]
+        plan = module.compiled_train.plan
         nodes = _node_times(plan, lambda: module(x, y), steps)
         kernel_ms = sum(ms for _, ms in nodes.values())
         lines.append(f"{config.name} ({config.description}), batch {batch}, {steps} steps, {len(plan.steps)} plan nodes")
@@ -113,7 +114,7 @@ def profile(config_name: str, batch: int, steps: int, top: int) -> str:
             by_op[op] += ms
         module.eval()
         eval_ms = _median_ms(lambda: module(x, y), steps)
-        eval_nodes = _node_times(module._eval["plan"], lambda: module(x, y), steps)
+        eval_nodes = _node_times(module.compiled_eval.plan, lambda: module(x, y), steps)
         module.train()
         lines.append(f"eval step {eval_ms:.3f} ms: kernels {sum(ms for _, ms in eval_nodes.values()):.3f} ms in "
                      f"{len(eval_nodes)} nodes; top: " + ", ".join(
