@@ -27,7 +27,7 @@ class Buffer:
         self.data = bytes(data)
         self.size = len(self.data)
 
-    def _unpack(self, fmt: struct.Struct, pos: int, what: str):
+    def unpack(self, fmt: struct.Struct, pos: int, what: str):
         if pos < 0 or pos + fmt.size > self.size:
             raise Malformed(f"{what} at byte {pos} lies outside the {self.size}-byte buffer")
         return fmt.unpack_from(self.data, pos)[0]
@@ -40,11 +40,11 @@ class Buffer:
         return bytes(self.data[4:8])
 
     def root(self) -> "Table":
-        return Table(self, self._target(0, "the root table offset"), "root table")
+        return Table(self, self.target(0, "the root table offset"), "root table")
 
-    def _target(self, pos: int, what: str) -> int:
+    def target(self, pos: int, what: str) -> int:
         """The position a uoffset stored at ``pos`` points to (offsets point forward)."""
-        offset = self._unpack(_U32, pos, what)
+        offset = self.unpack(_U32, pos, what)
         target = pos + offset
         if offset == 0 or target >= self.size:
             raise Malformed(f"{what} at byte {pos} points to byte {target}, outside the {self.size}-byte buffer")
@@ -56,9 +56,9 @@ class Table:
 
     def __init__(self, buf: Buffer, pos: int, what: str):
         self.buf, self.pos, self.what = buf, pos, what
-        vtable = pos - buf._unpack(_I32, pos, f"{what}'s vtable offset")
-        self.vt_size = buf._unpack(_U16, vtable, f"{what}'s vtable size")
-        table_size = buf._unpack(_U16, vtable + 2, f"{what}'s table size")
+        vtable = pos - buf.unpack(_I32, pos, f"{what}'s vtable offset")
+        self.vt_size = buf.unpack(_U16, vtable, f"{what}'s vtable size")
+        table_size = buf.unpack(_U16, vtable + 2, f"{what}'s table size")
         if self.vt_size < 4 or self.vt_size % 2 or vtable + self.vt_size > buf.size:
             raise Malformed(f"{what}: vtable at byte {vtable} has an invalid size {self.vt_size}")
         if table_size < 4 or pos + table_size > buf.size:
@@ -70,7 +70,7 @@ class Table:
         slot = 4 + 2 * index
         if slot >= self.vt_size:
             return None
-        off = self.buf._unpack(_U16, self.vtable + slot, f"{self.what}.{name}'s vtable entry")
+        off = self.buf.unpack(_U16, self.vtable + slot, f"{self.what}.{name}'s vtable entry")
         if off == 0:
             return None
         if off + width > self.table_size:
@@ -79,7 +79,7 @@ class Table:
 
     def _scalar(self, index: int, fmt: struct.Struct, name: str, default):
         pos = self._field(index, fmt.size, name)
-        return default if pos is None else self.buf._unpack(fmt, pos, f"{self.what}.{name}")
+        return default if pos is None else self.buf.unpack(fmt, pos, f"{self.what}.{name}")
 
     def bool(self, index: int, name: str, default: bool = False) -> bool:
         return bool(self._scalar(index, _U8, name, int(default)))
@@ -95,7 +95,7 @@ class Table:
 
     def _ref(self, index: int, name: str) -> int | None:
         pos = self._field(index, 4, name)
-        return None if pos is None else self.buf._target(pos, f"{self.what}.{name}")
+        return None if pos is None else self.buf.target(pos, f"{self.what}.{name}")
 
     def table(self, index: int, name: str) -> "Table | None":
         pos = self._ref(index, name)
@@ -110,7 +110,7 @@ class Table:
         pos = self._ref(index, name)
         if pos is None:
             return None
-        n = self.buf._unpack(_U32, pos, f"{self.what}.{name}'s length")
+        n = self.buf.unpack(_U32, pos, f"{self.what}.{name}'s length")
         if pos + 4 + n * elem_size > self.buf.size:
             raise Malformed(f"{self.what}.{name}: {n} elements of {elem_size} bytes run past the {self.buf.size}-byte buffer")
         return pos + 4, n
@@ -120,7 +120,7 @@ class Table:
         if vec is None:
             return None
         start, n = vec
-        return [Table(self.buf, self.buf._target(start + 4 * i, f"{self.what}.{name}[{i}]"), f"{self.what}.{name}[{i}]")
+        return [Table(self.buf, self.buf.target(start + 4 * i, f"{self.what}.{name}[{i}]"), f"{self.what}.{name}[{i}]")
                 for i in range(n)]
 
     def strings(self, index: int, name: str) -> list[str] | None:
@@ -128,7 +128,7 @@ class Table:
         if vec is None:
             return None
         start, n = vec
-        return [_string_at(self.buf, self.buf._target(start + 4 * i, f"{self.what}.{name}[{i}]"), f"{self.what}.{name}[{i}]")
+        return [_string_at(self.buf, self.buf.target(start + 4 * i, f"{self.what}.{name}[{i}]"), f"{self.what}.{name}[{i}]")
                 for i in range(n)]
 
     def int64s(self, index: int, name: str) -> list[int] | None:
@@ -147,7 +147,7 @@ class Table:
 
 
 def _string_at(buf: Buffer, pos: int, what: str) -> str:
-    n = buf._unpack(_U32, pos, f"{what}'s length")
+    n = buf.unpack(_U32, pos, f"{what}'s length")
     if pos + 4 + n >= buf.size:  # the terminating NUL included
         raise Malformed(f"{what}: a {n}-byte string at byte {pos} runs past the {buf.size}-byte buffer")
     if buf.data[pos + 4 + n] != 0:
