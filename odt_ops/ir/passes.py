@@ -7,6 +7,7 @@ from onnx import numpy_helper
 
 from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError
 from odt_ops.ir.attributes import node_attributes
+from odt_ops.ir.control_flow import implicit_inputs, node_reads
 from odt_ops.ir.model import Model
 
 # folding these would freeze a random draw or a training-time behaviour into a weight
@@ -33,7 +34,7 @@ def drop_saved_batch_statistics(model: Model) -> bool:
     (odt_ops.ir.modes): drop them before conversion."""
     if model.opset >= 14:
         return False
-    read = {n for node in model.graph.node for n in node.input} | {o.name for o in model.graph.output}
+    read = {n for node in model.graph.node for n in node_reads(node)} | {o.name for o in model.graph.output}
     changed = False
     for node in model.graph.node:
         if node.op_type != "BatchNormalization" or len(node.output) <= 1:
@@ -92,10 +93,10 @@ def fold_constants(model: Model) -> bool:
             else:
                 attrs = node_attributes(node)
                 value = (np.array(shape, dtype=np.int64)[attrs.get("start", 0) : attrs.get("end", None)],)
-        elif node.input and all(n == "" or n in const for n in node.input) and not parameters.intersection(node.input):
-            try:
+        elif node.input and all(n == "" or n in const for n in node_reads(node)) and not parameters.intersection(node_reads(node)):
+            try:  # a subgraph's outer reads follow the inputs (odt_ops/kernels/control_flow.py)
                 fn = bind_node(node, model.opset)
-                value = fn(*[const[n] if n else None for n in node.input])
+                value = fn(*[const[n] if n else None for n in node.input], *[const[n] for n in implicit_inputs(node)])
             except (OdtError, ArithmeticError, ValueError, TypeError, IndexError):
                 value = None  # leave it to run time, where errors name the node
         if value is None:
@@ -107,7 +108,7 @@ def fold_constants(model: Model) -> bool:
                 added.append(name)
     if not added:
         return False
-    used = {n for node in keep for n in node.input} | outputs
+    used = {n for node in keep for n in node_reads(node)} | outputs  # subgraphs read outer values by name
     for name in added:
         if name in used:
             graph.initializer.append(numpy_helper.from_array(const[name], name))
@@ -290,7 +291,7 @@ def prune_unused(model: Model) -> bool:
     for node in reversed(graph.node):
         if any(o in needed for o in node.output):
             live.append(node)
-            needed.update(node.input)
+            needed.update(node_reads(node))  # with what its subgraphs read from outside
     live.reverse()
     inits = [t for t in graph.initializer if t.name in needed]
     changed = len(live) != len(graph.node) or len(inits) != len(graph.initializer)
