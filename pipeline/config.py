@@ -232,6 +232,7 @@ class TrackingConfig:
     enabled: bool = True
     experiment: str = "odt"
     log_artifacts: bool = True
+    registered_model: str = "odt-personalized"  # the model registry's name for what the retraining job promotes
 
 
 @dataclass

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
     return stage_main("evaluate", run, argv, artifacts=["metrics.json", "confusion_base.json", "confusion_personalized.json"],
-                      after=after, describe=summary)
+                      after=after, describe=summary, datasets={"user_holdout": "evaluation", "global_test": "evaluation"})
 
 
 if __name__ == "__main__":

@@ -113,8 +113,11 @@ def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours:
 
 
 def after(cfg, paths: Paths, tracker) -> None:
-    """params.yaml and dvc.lock (as DVC has written it so far: every stage before this
-    one) on the pipeline run and this one."""
+    """The inference model as an MLflow model (onnx flavor, signature from an input example
+    of the user's holdout), and params.yaml and dvc.lock (as DVC has written it so far:
+    every stage before this one) on the pipeline run and this one."""
+    example = training.load_split(paths, "user_holdout").x[:2]
+    tracker.log_onnx_model(paths.out("export") / "inference.onnx", example)
     for name in ("params.yaml", "dvc.lock"):
         path = paths.root / name
         if path.is_file():
@@ -125,7 +128,8 @@ def after(cfg, paths: Paths, tracker) -> None:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("export", run, argv, artifacts=["inference.onnx", "model.odtdiff", "metrics.json"], after=after)
+    return stage_main("export", run, argv, artifacts=["inference.onnx", "model.odtdiff", "metrics.json"], after=after,
+                      datasets={"user_holdout": "evaluation", "global_test": "evaluation"})
 
 
 if __name__ == "__main__":

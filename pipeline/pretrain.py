@@ -116,7 +116,8 @@ def _flat_metrics(path: Path) -> dict:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("pretrain", run, argv, artifacts=["base.onnx", "metrics.json"], after=after)
+    return stage_main("pretrain", run, argv, artifacts=["base.onnx", "metrics.json"], after=after,
+                      datasets={"global_train": "training", "global_test": "evaluation"})
 
 
 if __name__ == "__main__":

@@ -218,7 +218,7 @@ def decide(cfg, candidate: dict, current: dict, current_model: str) -> Decision:
 
 
 def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
-    from pipeline import tracking
+    from pipeline import tracking, training
     from pipeline.io import sha256_file
     from pipeline.paths import Paths
 
@@ -284,6 +284,11 @@ def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
         if d.promote:
             files = {"inference.onnx": paths.out("export") / "inference.onnx", "model.odtdiff": paths.out("export") / "model.odtdiff",
                      "checkpoint": paths.out("train") / "checkpoint"}
+            # the promoted model in MLflow's registry, its in-service alias moved to the new version
+            model_uri = tracker.log_onnx_model(files["inference.onnx"], training.load_split(paths, "user_holdout").x[:2])
+            if model_uri:
+                record["registry_version"] = tracker.register_model(model_uri, cfg.tracking.registered_model,
+                                                                    tracking.IN_SERVICE_ALIAS)
             version = promote(files, {"job": record, "evaluate": json.loads((paths.out("evaluate") / "metrics.json").read_text())},
                               promoted, state / "models")
             record["version"] = paths.show(version)

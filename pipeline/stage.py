@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pipeline.errors import EXIT_INPUT, PipelineError
 from pipeline.paths import Paths
@@ -40,7 +40,8 @@ def usage(stage: str) -> str:
 
 
 def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts: Sequence[str] = (),
-         after: Callable | None = None, describe: Callable[[dict], str] | None = None) -> int:
+         after: Callable | None = None, describe: Callable[[dict], str] | None = None,
+         datasets: Mapping[str, str] | None = None) -> int:
     """Run ``stage`` as DVC or a person would (``python -m pipeline.<stage> [overrides]``)."""
     from odt_ops.errors import OdtError
 
@@ -62,6 +63,8 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
             tracker.log_metrics(metrics)
             for name in artifacts:
                 tracker.log_artifact(paths.out(stage) / name, stage)
+            if datasets and tracker.enabled:  # the runs table's Dataset column: which splits this stage read
+                _log_datasets(tracker, paths, datasets)
             if after is not None and tracker.enabled:
                 try:
                     after(cfg, paths, tracker)
@@ -80,6 +83,17 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
     shown = describe(metrics) if describe is not None else ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
     print(f"{stage}: done in {time.perf_counter() - t0:.1f} s -> {paths.show(paths.out(stage))}/ ({shown})")
     return 0
+
+
+def _log_datasets(tracker, paths: Paths, datasets: Mapping[str, str]) -> None:
+    """``split name -> context`` (training, evaluation) as MLflow dataset inputs."""
+    from pipeline.training import load_split
+
+    by_context: dict[str, dict] = {}
+    for name, context in datasets.items():
+        by_context.setdefault(context, {})[name] = (load_split(paths, name).x, paths.show(paths.split(name)))
+    for context, group in by_context.items():
+        tracker.log_datasets(group, context)
 
 
 def _fmt(v: object) -> str:

@@ -30,6 +30,9 @@ from pipeline.errors import TrackingError
 from pipeline.paths import project_root, tracking_root
 
 PARENT_ENV = "ODT_PARENT_RUN_ID"
+# MLflow 3 opens an experiment on its GenAI overview unless its kind says model training
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+IN_SERVICE_ALIAS = "in-service"  # the registry alias of the model the retraining job promoted
 PIPELINE_KEY_TAG = "odt.pipeline_key"
 MAX_PARAM_LENGTH = 6000
 BATCH = 1000  # MLflow's limit of metrics per log_batch call
@@ -76,6 +79,15 @@ class NullRun:
 
     def flush(self) -> None:
         pass
+
+    def log_datasets(self, datasets: Mapping[str, tuple[Any, str]], context: str) -> None:
+        pass
+
+    def log_onnx_model(self, path: str | os.PathLike, input_example, name: str = "model") -> str | None:
+        return None
+
+    def register_model(self, model_uri: str, name: str, alias: str) -> str | None:
+        return None
 
     @property
     def enabled(self) -> bool:
@@ -140,6 +152,52 @@ class StageRun(NullRun):
     def log_parent_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if self.parent_run_id and self.log_artifacts and Path(path).is_file():
             self.client.log_artifact(self.parent_run_id, str(path), artifact_path)
+
+    def log_datasets(self, datasets: Mapping[str, tuple[Any, str]], context: str) -> None:
+        """Each ``name -> (features, source path)`` as an MLflow dataset input of this run
+        (name, digest, source), with ``context`` (training, evaluation) as MLflow tags it."""
+        import mlflow.data
+        from mlflow.entities import DatasetInput, InputTag
+
+        inputs = []
+        for name, (features, source) in datasets.items():
+            dataset = mlflow.data.from_numpy(features, source=str(source), name=name)
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+        if inputs:
+            self.client.log_inputs(self.run_id, datasets=inputs)
+
+    def log_onnx_model(self, path: str | os.PathLike, input_example, name: str = "model") -> str | None:
+        """The ONNX file as an MLflow model (the onnx flavor, with the signature its input example
+        gives and the example itself); returns its ``runs:/`` URI."""
+        import mlflow
+        import mlflow.onnx
+        import onnx
+        from mlflow.models import infer_signature
+
+        import odt_ops
+
+        if not self.log_artifacts:
+            return None
+        model = onnx.load(str(path))
+        session = odt_ops.InferenceSession(model)
+        outputs = session.run(None, {session.input_names()[0]: input_example})[0]
+        mlflow.set_tracking_uri(tracking_uri())
+        # the fluent API logs models into the active run: this run, resumed and left running
+        with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
+            info = mlflow.onnx.log_model(model, name=name, input_example=input_example,
+                                         signature=infer_signature(input_example, outputs),
+                                         onnx_execution_providers=["CPUExecutionProvider"])
+        self.client.update_run(self.run_id, status="RUNNING")  # start_run's exit marked it finished; the stage ends it
+        return info.model_uri
+
+    def register_model(self, model_uri: str, name: str, alias: str) -> str | None:
+        """A new version of registered model ``name`` from ``model_uri``, given ``alias``."""
+        import mlflow
+
+        mlflow.set_tracking_uri(tracking_uri())
+        version = mlflow.register_model(model_uri, name, tags={"odt.run": self.run_id})
+        self.client.set_registered_model_alias(name, alias, version.version)
+        return version.version
 
     def flush(self) -> None:
         while self._buffer:
@@ -237,13 +295,16 @@ def _client_and_experiment(name: str):
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             try:
-                return client, client.create_experiment(name, artifact_location=artifact_location(uri))
+                return client, client.create_experiment(name, artifact_location=artifact_location(uri),
+                                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
             except MlflowException:  # created meanwhile by a parallel queued experiment
                 experiment = client.get_experiment_by_name(name)
                 if experiment is None:
                     raise
         if experiment.lifecycle_stage == "deleted":
             raise TrackingError(f"MLflow experiment {name!r} in {uri} is deleted; restore it or set tracking.experiment to another name")
+        if EXPERIMENT_KIND_TAG not in experiment.tags:  # made by an earlier version, or by hand
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return client, experiment.experiment_id
     except TrackingError:
         raise

@@ -188,7 +188,8 @@ def after(cfg, paths: Paths, tracker) -> None:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("train", run, argv, artifacts=["checkpoint", "checkpoints", "curve.csv", "metrics.json"], after=after)
+    return stage_main("train", run, argv, artifacts=["checkpoint", "checkpoints", "curve.csv", "metrics.json"], after=after,
+                      datasets={"user_train": "training"})
 
 
 if __name__ == "__main__":

@@ -139,6 +139,9 @@ def test_retrain_job_promotes_continues_keeps_and_locks(tmp_path, mlflow_store):
     assert {"prepare", "train", "evaluate", "export"} <= set(children), sorted(children)
     assert children["train"].data.tags["dvc.exp"] == record["id"] and children["train"].data.params["train.init_checkpoint"]
     assert {a.path for a in client.list_artifacts(job_run.info.run_id, "job")} >= {"job/params.yaml", "job/dvc.lock", "job/metrics.json"}
+    # the promoted model is a version in MLflow's registry, and the in-service alias points at it
+    in_service = client.get_model_version_by_alias("odt-personalized", "in-service")
+    assert in_service.run_id == job_run.info.run_id and str(in_service.version) == str(record["registry_version"])
 
     # 4. a run that regresses (a learning rate that wrecks the head) is kept out, with the reason
     np.savez(inbox / "day2.npz", x=np.zeros((4, 64)), y=np.arange(4))

@@ -62,7 +62,8 @@ def test_stage_run_nests_under_the_parent_with_params_metrics_tags(mlflow_store,
 
 def test_failed_stage_marks_its_run_and_the_parent_failed(mlflow_store, monkeypatch):
     client = mlflow.MlflowClient(tracking_uri=mlflow_store)
-    experiment_id = client.create_experiment("odt")
+    # made beforehand without a kind, as an earlier version of the pipeline made it
+    experiment_id = client.create_experiment("odt", artifact_location=tracking.artifact_location(mlflow_store))
     parent = client.create_run(experiment_id, run_name="pipeline").info.run_id
     monkeypatch.setenv("ODT_PARENT_RUN_ID", parent)
     with pytest.raises(RuntimeError):
@@ -129,7 +130,8 @@ def test_pipeline_runs_are_found_through_a_local_mlflow_server(project, mlflow_s
     import importlib
 
     client = mlflow.MlflowClient(tracking_uri=mlflow_store)
-    experiment_id = client.create_experiment("odt")
+    # made beforehand without a kind, as an earlier version of the pipeline made it
+    experiment_id = client.create_experiment("odt", artifact_location=tracking.artifact_location(mlflow_store))
     parent = client.create_run(experiment_id, run_name="pipeline").info.run_id
     monkeypatch.setenv("ODT_PARENT_RUN_ID", parent)
     (project / "params.yaml").write_text("# logged by export into the pipeline run\n")
@@ -196,6 +198,27 @@ def test_pipeline_runs_are_found_through_a_local_mlflow_server(project, mlflow_s
         assert ({"plots/confusion_user_holdout.png"} if plots_available() else set()) <= artifacts(ev_id, "plots")
         assert {"export/inference.onnx", "export/model.odtdiff"} <= artifacts(by_name["export"]["info"]["run_id"], "export")
         assert "params.yaml" in artifacts(parent)
+
+        # the experiment opens on the model-training view, not MLflow 3's GenAI overview
+        kind = {t["key"]: t["value"] for t in _get(f"{api}/experiments/get?experiment_id={odt['experiment_id']}")
+                ["experiment"].get("tags", [])}
+        assert kind[tracking.EXPERIMENT_KIND_TAG] == tracking.EXPERIMENT_KIND
+        # the Dataset column: the splits each stage read, with name, digest and source
+        for stage, wanted in {"pretrain": {"global_train", "global_test"}, "train": {"user_train"},
+                              "evaluate": {"user_holdout", "global_test"}, "export": {"user_holdout", "global_test"}}.items():
+            inputs = by_name[stage].get("inputs", {}).get("dataset_inputs", [])
+            assert {i["dataset"]["name"] for i in inputs} == wanted, stage
+            assert all(i["dataset"]["digest"] and "data/prepare" in i["dataset"]["source"] for i in inputs)
+            contexts = {t["value"] for i in inputs for t in i.get("tags", []) if t["key"] == "mlflow.data.context"}
+            assert contexts <= {"training", "evaluation"} and contexts
+        # the Models column: the exported model in the onnx flavor, with a signature
+        export_id = by_name["export"]["info"]["run_id"]
+        models = _get(f"{api}/logged-models/search", {"experiment_ids": [odt["experiment_id"]]})["models"]
+        exported = [m for m in models if m["info"].get("source_run_id") == export_id]
+        assert len(exported) == 1
+        local = mlflow.artifacts.download_artifacts(exported[0]["info"]["artifact_uri"], tracking_uri=mlflow_store)
+        mlmodel = (Path(local) / "MLmodel").read_text()
+        assert "onnx:" in mlmodel and "signature:" in mlmodel and "inputs:" in mlmodel
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
         try:
