@@ -1,0 +1,288 @@
+"""The Flower adapter without Ray: Flower's own strategies and loop on an in-process grid that
+delivers each message to a ClientApp, as a SuperLink would. Aggregation equals Flower's FedAvg,
+bad clients are dropped with their reason, a round without enough updates keeps the model."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from odt_ops.export import ModelDiff, aggregate  # noqa: E402
+from odt_ops.federated import encode_diff, fingerprint  # noqa: E402
+from odt_ops.federated.flower import (  # noqa: E402
+    STRATEGIES,
+    ClientData,
+    DPSettings,
+    FederationSettings,
+    build_strategy,
+    central_evaluation,
+    client_app,
+    encode_reply,
+    run_federation,
+)
+from tests.federated.helpers import mlp_artifacts  # noqa: E402
+
+
+class LocalGrid:
+    """Flower's Grid surface over ClientApps called in this process (node id -> (client id, app))."""
+
+    def __init__(self, apps: dict[int, tuple[int, ClientApp]]):
+        self.apps = apps
+        self.sent: list[Message] = []
+
+    def get_node_ids(self):
+        return list(self.apps)[::-1]  # not in client order: the guard must order them itself
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            cid, app = self.apps[msg.metadata.dst_node_id]
+            ctx = Context(run_id=1, node_id=msg.metadata.dst_node_id, node_config={"partition-id": cid}, state=RecordDict(), run_config={})
+            try:
+                replies.append(app(msg, ctx))
+            except Exception as exc:  # what a SuperNode reports when its ClientApp raises
+                replies.append(Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg))
+        return replies[::-1]  # arrival order is not client order either
+
+
+def blobs(n_clients=6, seed=0):
+    """Per client a skewed mix of ten noisy prototypes (8x8): learnable, non-iid."""
+    centers = np.random.default_rng(123).random((10, 1, 8, 8), dtype=np.float32)
+
+    def data(cid, context=None):
+        rng = np.random.default_rng([seed, cid])
+        p = rng.dirichlet(np.full(10, 0.5))
+        y = rng.choice(10, 60, p=p)
+        x = (centers[y] + 0.3 * rng.standard_normal((60, 1, 8, 8))).astype(np.float32)
+        return ClientData(x[:40], y[:40], x[40:], y[40:])
+
+    rng = np.random.default_rng([seed, 999])
+    yt = rng.integers(0, 10, 300)
+    xt = (centers[yt] + 0.3 * rng.standard_normal((300, 1, 8, 8))).astype(np.float32)
+    return data, (xt, yt)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def task_identity():
+    """What the SuperLink (or run_simulation) sets before a ServerApp creates messages."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    return mlp_artifacts(tmp_path_factory.mktemp("fl_mlp"))
+
+
+def grid_for(art, data, n, *, wrap=None):
+    app = client_app(art, data)
+    return LocalGrid({1000 + 17 * i: (i, wrap(i, app) if wrap else app) for i in range(n)})
+
+
+def test_aggregate_equals_flowers_fedavg():
+    """odt_ops.export.aggregate over differences == Flower's FedAvg over the trained weights."""
+    rng = np.random.default_rng(0)
+    base = {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": rng.standard_normal(16).astype(np.float32)}
+    counts = [40, 7, 113, 1]
+    diffs = [ModelDiff({k: (rng.standard_normal(v.shape) * 0.05).astype(np.float32) for k, v in base.items()}, fingerprint(base), n)
+             for n in counts]
+    ours = aggregate(diffs)
+    assert ours.num_examples == sum(counts)
+    instr = Message(RecordDict(), dst_node_id=1, message_type=MessageType.TRAIN)
+    replies = [Message(RecordDict({"arrays": ArrayRecord({k: Array(base[k] + d.deltas[k]) for k in base}),
+                                   "metrics": MetricRecord({"num-examples": d.num_examples})}), reply_to=instr) for d in diffs]
+    theirs, _ = FedAvg().aggregate_train(1, replies)
+    for k in base:
+        np.testing.assert_allclose(base[k] + ours.deltas[k], theirs[k].numpy(), rtol=1e-6, atol=1e-6)
+    # and on the differences themselves (Flower accumulates in float32, we in float64: float32 rounding apart)
+    replies = [Message(RecordDict({"arrays": ArrayRecord({k: Array(d.deltas[k]) for k in base}),
+                                   "metrics": MetricRecord({"num-examples": d.num_examples})}), reply_to=instr) for d in diffs]
+    theirs, _ = FedAvg().aggregate_train(1, replies)
+    for k in base:
+        np.testing.assert_allclose(ours.deltas[k], theirs[k].numpy(), rtol=1e-5, atol=1e-8)
+    # explicit weights too
+    w = [1.0, 2.0, 0.5, 3.0]
+    replies = [Message(RecordDict({"arrays": ArrayRecord({k: Array(d.deltas[k]) for k in base}),
+                                   "metrics": MetricRecord({"num-examples": wi})}), reply_to=instr) for d, wi in zip(diffs, w)]
+    theirs, _ = FedAvg().aggregate_train(1, replies)
+    for k in base:
+        np.testing.assert_allclose(aggregate(diffs, w).deltas[k], theirs[k].numpy(), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("encoding", ["float32", "float16", "int8"])
+def test_a_federation_learns_and_its_bytes_are_counted(art, encoding):
+    data, (xt, yt) = blobs()
+    s = FederationSettings(rounds=3, num_clients=6, fraction_train=0.5, learning_rate=0.1, local_epochs=2, encoding=encoding, seed=3)
+    grid = grid_for(art, data, 6)
+    res = run_federation(grid, art, s, evaluate_fn=central_evaluation(art, xt, yt))
+    accs = [res.initial_server_eval["accuracy"]] + [r.server_eval["accuracy"] for r in res.rounds]
+    assert accs[-1] > accs[0] + 0.1, accs
+    n_values = 64 * 32 + 32 + 32 * 10 + 10
+    per_value = {"float32": 4, "float16": 2, "int8": 1}[encoding]
+    for r in res.rounds:
+        assert r.sampled == 3 and r.participants == 3 and not r.dropped and not r.kept_global
+        assert r.payload_bytes_up == 3 * (n_values * per_value + (16 if encoding == "int8" else 0))
+        assert r.bytes_up > r.payload_bytes_up  # plus .npy headers and keys
+        assert r.bytes_down >= 9 * n_values * 4  # global model to 3 trainers and 6 evaluators
+        assert r.client_eval_count == 6 and 0 <= r.client_eval["accuracy"] <= 1
+    assert sorted(res.clients.values()) == list(range(6))
+    assert len(res.last_updates) == 3 and all(u.encoding == encoding for u in res.last_updates.values())
+
+
+def test_same_seed_same_bits_other_seed_other_clients(art):
+    data, _ = blobs()
+    s = FederationSettings(rounds=2, num_clients=6, fraction_train=0.5, learning_rate=0.1, seed=11)
+    a = run_federation(grid_for(art, data, 6), art, s)
+    b = run_federation(grid_for(art, data, 6), art, s)
+    assert [r.clients for r in a.rounds] == [r.clients for r in b.rounds]
+    for k in a.parameters:
+        assert a.parameters[k].tobytes() == b.parameters[k].tobytes()
+    c = run_federation(grid_for(art, data, 6), art, FederationSettings(rounds=2, num_clients=6, fraction_train=0.5, learning_rate=0.1, seed=12))
+    assert [r.clients for r in a.rounds] != [r.clients for r in c.rounds]
+
+
+def _misbehaving(kind_by_client):
+    """Wrap client apps so some misbehave: fail, send NaN, train from another base, send garbage."""
+
+    def wrap(cid, app):
+        kind = kind_by_client.get(cid)
+        if kind is None:
+            return app
+        bad = ClientApp()
+
+        @bad.train()
+        def train(msg, ctx):
+            if kind == "fail":
+                raise RuntimeError("the battery died")
+            reply = app(msg, ctx)
+            if kind == "nan":
+                key = next(iter(reply.content["arrays"].keys()))
+                arr = reply.content["arrays"][key].numpy().copy()
+                arr.flat[0] = np.nan
+                reply.content["arrays"][key] = Array(arr)
+            elif kind == "stale":
+                reply.content["odt"]["base-hash"] = "0" * 64
+            elif kind == "shape":
+                key = next(iter(reply.content["arrays"].keys()))
+                reply.content["arrays"][key] = Array(np.zeros(3, np.float32))
+            elif kind == "garbage":
+                reply.content = RecordDict({"arrays": ArrayRecord(), "metrics": MetricRecord({"num-examples": 5})})
+            return reply
+
+        @bad.evaluate()
+        def evaluate(msg, ctx):
+            return app(msg, ctx)
+
+        @bad.query()
+        def query(msg, ctx):
+            return app(msg, ctx)
+
+        return bad
+
+    return wrap
+
+
+def test_bad_clients_are_dropped_with_their_reason(art, caplog):
+    data, _ = blobs()
+    kinds = {1: "fail", 2: "nan", 3: "stale", 4: "shape", 5: "garbage"}
+    s = FederationSettings(rounds=1, num_clients=7, learning_rate=0.1, seed=0)
+    with caplog.at_level(logging.WARNING, logger="odt_ops.federated"):
+        res = run_federation(grid_for(art, data, 7, wrap=_misbehaving(kinds)), art, s)
+    r = res.rounds[0]
+    assert r.clients == [0, 6] and r.participants == 2 and not r.kept_global
+    reasons = {d["client"]: d["reason"] for d in r.dropped}
+    assert set(reasons) == set(kinds)
+    assert "battery died" in reasons[1]
+    assert "NaN or infinite" in reasons[2]
+    assert "another base" in reasons[3]
+    assert "expected float32" in reasons[4]
+    assert "malformed" in reasons[5]
+    assert all(f"client {c} dropped" in caplog.text for c in kinds)
+    # what was averaged is the two good clients' FedAvg, exactly as Flower's FedAvg does it
+    good = run_federation(grid_for(art, data, 7, wrap=lambda cid, app: app), art,
+                          FederationSettings(rounds=1, num_clients=7, learning_rate=0.1, seed=0))
+    assert good.rounds[0].clients == list(range(7))
+
+
+def test_too_few_successful_clients_keep_the_global_model(art, caplog):
+    data, _ = blobs()
+    kinds = {0: "fail", 1: "nan", 2: "stale"}
+    s = FederationSettings(rounds=2, num_clients=4, learning_rate=0.1, min_successful_clients=2, seed=0)
+    with caplog.at_level(logging.WARNING, logger="odt_ops.federated"):
+        res = run_federation(grid_for(art, data, 4, wrap=_misbehaving(kinds)), art, s)
+    assert [r.kept_global for r in res.rounds] == [True, True] and [r.participants for r in res.rounds] == [1, 1]
+    from odt_ops.federated.flower import initial_parameters
+
+    start = initial_parameters(art)
+    for k in start:
+        np.testing.assert_array_equal(res.parameters[k], start[k])
+    assert "fewer than the 2 required" in caplog.text and "stays as it was" in caplog.text
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_flower_strategy_by_name(art, name):
+    data, (xt, yt) = blobs()
+    options = {"fedadam": {"eta": 0.01, "eta_l": 0.01}, "fedyogi": {"eta": 0.01, "eta_l": 0.01}, "fedadagrad": {"eta": 0.01, "eta_l": 0.01},
+               "fedavgm": {"server_momentum": 0.5}, "krum": {"num_malicious_nodes": 1}, "multikrum": {"num_malicious_nodes": 1, "num_nodes_to_select": 3},
+               "bulyan": {"num_malicious_nodes": 1}, "fedtrimmedavg": {"beta": 0.2}}.get(name, {})
+    s = FederationSettings(strategy=name, strategy_options=options, rounds=2, num_clients=7, learning_rate=0.1, proximal_mu=0.1 if name == "fedprox" else 0.0)
+    guard = build_strategy(s, {"w": ((2,), np.dtype(np.float32))})
+    assert type(guard.inner).__name__.lower() == name
+    grid = grid_for(art, data, 7)
+    res = run_federation(grid, art, s, evaluate_fn=central_evaluation(art, xt, yt))
+    assert all(r.participants == 7 and not r.kept_global for r in res.rounds)
+    assert res.rounds[-1].server_eval["accuracy"] > res.initial_server_eval["accuracy"]
+    if name == "fedprox":  # Flower's FedProx sends mu; our clients add the proximal term
+        trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+        assert trains and all(m.content["config"]["proximal-mu"] == 0.1 for m in trains)
+        assert res.rounds[0].train_metrics["proximal_term"] > 0
+
+
+@pytest.mark.parametrize("mode", ["server_fixed", "server_adaptive", "client_fixed"])
+def test_differential_privacy_wrappers(art, mode):
+    data, (xt, yt) = blobs()
+    s = FederationSettings(rounds=2, num_clients=6, learning_rate=0.1, seed=4, dp=DPSettings(enabled=True, mode=mode, noise_multiplier=0.01, clipping_norm=0.5))
+    guard = build_strategy(s, {"w": ((2,), np.dtype(np.float32))})
+    assert "DifferentialPrivacy" in type(guard.inner).__name__
+    a = run_federation(grid_for(art, data, 6), art, s, evaluate_fn=central_evaluation(art, xt, yt))
+    b = run_federation(grid_for(art, data, 6), art, s)
+    for k in a.parameters:  # the noise is seeded: same bits
+        assert a.parameters[k].tobytes() == b.parameters[k].tobytes()
+    if mode != "server_adaptive":
+        # every update was clipped to 0.5, so the mean moved by at most 0.5 (+ noise)
+        from odt_ops.federated.flower import initial_parameters
+
+        start = initial_parameters(art)
+        step = np.sqrt(sum(float(np.sum((a.parameters[k].astype(np.float64) - start[k]) ** 2)) for k in start))
+        assert step < 2 * 0.5 + 0.5
+    if mode == "client_fixed":
+        assert a.rounds[0].train_metrics["update_norm"] <= 0.5 + 1e-6  # clipped on the clients (a weighted mean of norms <= 0.5)
+
+
+def test_settings_from_a_flat_run_config():
+    s = FederationSettings.from_config({"rounds": 7, "dp.enabled": True, "strategy_options.eta": 0.5, "encoding": "int8"})
+    assert s.rounds == 7 and s.dp.enabled and s.strategy_options == {"eta": 0.5} and s.encoding == "int8"
+    assert FederationSettings.from_config(s.to_config()) == s
+    with pytest.raises(ValueError, match="strategy='fedsgd'"):
+        FederationSettings(strategy="fedsgd")
+
+
+def test_encode_reply_round_trip():
+    from odt_ops.federated.flower import decode_reply
+
+    d = ModelDiff({"w": np.linspace(-1, 1, 10, dtype=np.float32)}, "h" * 64, 12, 3)
+    enc = encode_diff(d, "int8")
+    back, cid = decode_reply(encode_reply(enc, 12, {"train_loss": 0.5}, 4))
+    assert cid == 4 and back.encoding == "int8" and back.scales == enc.scales and back.num_examples == 12
+    np.testing.assert_array_equal(back.tensors["w"], enc.tensors["w"])
+    assert isinstance(ConfigRecord, type)
