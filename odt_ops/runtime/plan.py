@@ -20,7 +20,9 @@ import onnx
 
 from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays
 from odt_ops.ir.attributes import node_attributes
+from odt_ops.ir.control_flow import all_nodes, implicit_inputs, node_reads
 from odt_ops.kernels import lookup
+from odt_ops.kernels.control_flow import Scope
 from odt_ops.runtime import fusion, inplace
 from odt_ops.runtime.memory import tune_allocator
 
@@ -33,9 +35,9 @@ def node_label(node: onnx.NodeProto) -> str:
 
 
 def missing_kernels(nodes: Iterable[onnx.NodeProto], opsets: Mapping[str, int]) -> dict[tuple[str, str, int], list[str]]:
-    """(domain, op, opset) -> node names, for every node no kernel covers."""
+    """(domain, op, opset) -> node names, for every node no kernel covers (in subgraphs too)."""
     missing: dict[tuple[str, str, int], list[str]] = {}
-    for node in nodes:
+    for node in all_nodes(nodes):
         domain = "" if node.domain == "ai.onnx" else node.domain
         opset = opsets.get(domain, 0)
         if lookup(domain, node.op_type, opset) is None:
@@ -43,8 +45,10 @@ def missing_kernels(nodes: Iterable[onnx.NodeProto], opsets: Mapping[str, int]) 
     return missing
 
 
-def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None = None) -> Callable[..., tuple]:
-    """The node's kernel with attributes and engine keywords bound."""
+def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None = None,
+              opsets: Mapping[str, int] | None = None) -> Callable[..., tuple]:
+    """The node's kernel with attributes and engine keywords bound. A control-flow kernel (one
+    taking ``_scope``) is called with the outer values its subgraphs read after its inputs."""
     if node.domain == fusion.DOMAIN:
         return fusion.bind(node, opset)
     entry = lookup(node.domain, node.op_type, opset)
@@ -61,6 +65,8 @@ def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None 
         attrs["_num_outputs"] = len(node.output)
     if "_rng" in entry.engine_keywords:
         attrs["_rng"] = rng if rng is not None else np.random.default_rng(0)
+    if "_scope" in entry.attributes:
+        attrs["_scope"] = Scope(tuple(implicit_inputs(node)), dict(opsets or {"": opset}), rng, node_label(node))
     return functools.partial(entry.fn, **attrs) if attrs else entry.fn
 
 
@@ -112,7 +118,7 @@ class Plan:
         if fuse is None:
             fuse = os.environ.get("ODT_FUSE", "1") != "0"
         if fuse:
-            keep = set(self.output_names) | set(checks)
+            keep = set(self.output_names) | set(checks) | {n for node in nodes for n in implicit_inputs(node)}
             only = None if fuse is True else set(fuse)
             nodes = topological_order(fusion.fuse(nodes, constants, keep, only), available)
         self.fusions = [n.op_type for n in nodes if n.domain == fusion.DOMAIN]
@@ -123,13 +129,14 @@ class Plan:
             ins = list(node.input)
             while ins and ins[-1] == "":
                 ins.pop()
+            ins += implicit_inputs(node)  # what its subgraphs read, fed after its inputs
             for name in ins:
                 if name and name not in known:
                     raise ModelCheckError(f"{node_label(node)} reads {name!r}, which nothing produces")
             known.update(n for n in node.output if n)
             # fused nodes run ai.onnx kernels at the graph's opset
             opset = opsets.get("" if node.domain in ("ai.onnx", fusion.DOMAIN) else node.domain, 0)
-            steps.append((bind_node(node, opset, rng), tuple(ins), tuple(node.output), node))
+            steps.append((bind_node(node, opset, rng, opsets), tuple(ins), tuple(node.output), node))
         for name in [*self.output_names, *checks]:
             if name not in known:
                 raise ModelCheckError(f"graph output {name!r} is produced by no node, input or initializer")
@@ -284,14 +291,14 @@ def topological_order(nodes: onnx.GraphProto | Iterable[onnx.NodeProto], availab
         progressed = []
         rest = []
         for node in pending:
-            if all(n in ready for n in node.input):
+            if all(n in ready for n in node_reads(node)):
                 progressed.append(node)
                 ready.update(node.output)
             else:
                 rest.append(node)
         if not progressed:
             node = rest[0]
-            absent = [n for n in node.input if n not in ready]
+            absent = [n for n in node_reads(node) if n not in ready]
             raise ModelCheckError(
                 f"{node_label(node)} reads {absent}, which no node, input or initializer produces (or the graph has a cycle)"
             )
