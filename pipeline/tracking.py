@@ -83,7 +83,7 @@ class NullRun:
     def log_datasets(self, datasets: Mapping[str, tuple[Any, str]], context: str) -> None:
         pass
 
-    def log_onnx_model(self, path: str | os.PathLike, input_example, name: str = "model") -> str | None:
+    def log_onnx_model(self, path: str | os.PathLike, input_example, name: str = "inference_model") -> str | None:
         return None
 
     def register_model(self, model_uri: str, name: str, alias: str) -> str | None:
@@ -166,7 +166,7 @@ class StageRun(NullRun):
         if inputs:
             self.client.log_inputs(self.run_id, datasets=inputs)
 
-    def log_onnx_model(self, path: str | os.PathLike, input_example, name: str = "model") -> str | None:
+    def log_onnx_model(self, path: str | os.PathLike, input_example, name: str = "inference_model") -> str | None:
         """The ONNX file as an MLflow model (the onnx flavor, with the signature its input example
         gives and the example itself); returns its ``runs:/`` URI."""
         import mlflow
