@@ -31,14 +31,17 @@ class UnsupportedOpError(OdtError, NotImplementedError):
     one error lists everything that is missing, not just the first miss.
     """
 
-    def __init__(self, missing: dict[tuple[str, str, int], list[str]], what: str = "kernel", source: str | None = None):
+    def __init__(self, missing: dict[tuple[str, str, int], list[str]], what: str = "kernel", source: str | None = None,
+                 reasons: dict[str, str] | None = None):
         self.missing = dict(missing)
         self.what = what
         self.source = source
+        reasons = reasons or {}
         lines = [
             f"  {domain or 'ai.onnx'}::{op} (opset {opset}) used by {len(nodes)} node(s): "
             + ", ".join(nodes[:5])
             + (", ..." if len(nodes) > 5 else "")
+            + (f"\n      why: {reasons[op]}" if domain in ("", "ai.onnx") and op in reasons else "")
             for (domain, op, opset), nodes in sorted(self.missing.items())
         ]
         super().__init__(

@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 
 from odt_ops.errors import GradientError, UnsupportedOpError
+from odt_ops.grad.coverage import NOT_DIFFERENTIABLE
 from odt_ops.grad.registry import GradContext, lookup_gradient
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.model import Model, default_opset
@@ -60,7 +61,7 @@ def build_gradients(
     walk = _Walk(proto, loss_name, wrt)
     missing = walk.missing_rules()
     if missing:
-        raise UnsupportedOpError(missing, what="gradient rule")
+        raise UnsupportedOpError(missing, what="gradient rule", reasons=NOT_DIFFERENTIABLE)
     return walk.run(grad_names or {})
 
 

@@ -310,7 +310,9 @@ def require_kernels(model: Model) -> bool:
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.proto.opset_import}
     missing = missing_kernels(model.graph.node, opsets)
     if missing:
-        raise UnsupportedOpError(missing)
+        from odt_ops.grad.coverage import NOT_SUPPORTED
+
+        raise UnsupportedOpError(missing, reasons=NOT_SUPPORTED)
     return False
 
 
