@@ -246,6 +246,72 @@ class RetrainConfig:
     wait_seconds: float = 0.0
 
 
+class StrategyName(Enum):  # Flower's strategies (odt_ops.federated.flower.STRATEGIES; a test keeps the two equal)
+    fedavg = "fedavg"
+    fedprox = "fedprox"
+    fedadam = "fedadam"
+    fedyogi = "fedyogi"
+    fedadagrad = "fedadagrad"
+    fedavgm = "fedavgm"
+    fedmedian = "fedmedian"
+    fedtrimmedavg = "fedtrimmedavg"
+    krum = "krum"
+    multikrum = "multikrum"
+    bulyan = "bulyan"
+
+
+class DiffEncoding(Enum):
+    float32 = "float32"
+    float16 = "float16"
+    int8 = "int8"
+
+
+class DPMode(Enum):
+    server_fixed = "server_fixed"
+    server_adaptive = "server_adaptive"
+    client_fixed = "client_fixed"
+
+
+@dataclass
+class DPConfig:
+    enabled: bool = False
+    mode: DPMode = DPMode.server_fixed
+    noise_multiplier: float = 0.1
+    clipping_norm: float = 1.0
+
+
+@dataclass
+class PopulationConfig:
+    """The simulated users of the federate stage (see pipeline/federate.py)."""
+
+    train_per_client: int = 30
+    holdout_per_client: int = 30
+    label_alpha: float = 1.0
+    slant_deg: list[float] = field(default_factory=lambda: [5.0, 35.0])
+    strokes: list[int] = field(default_factory=lambda: [0, 1, 2])
+    jitter_deg: float = 3.0
+
+
+@dataclass
+class FederatedConfig:
+    strategy: StrategyName = StrategyName.fedavg
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    rounds: int = 8
+    clients: int = 10
+    fraction_train: float = 0.5
+    fraction_evaluate: float = 1.0
+    min_successful_clients: int = 2
+    local_epochs: int = 3
+    batch_size: int = 16
+    lr: float = 0.005
+    mu: float = 0.0
+    encoding: DiffEncoding = DiffEncoding.float32
+    dp: DPConfig = field(default_factory=DPConfig)
+    finetune_epochs: int = 10
+    population: PopulationConfig = field(default_factory=PopulationConfig)
+    num_cpus: int = 2
+
+
 @dataclass
 class Config:
     seed: int = 0
@@ -261,6 +327,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -460,6 +527,26 @@ def _check_values(cfg) -> None:
     need(r.max_forgetting is None or r.max_forgetting >= 0, "retrain.max_forgetting", r.max_forgetting, "null or a number >= 0 (accuracy points as a fraction)")
     need(r.wait_seconds >= 0, "retrain.wait_seconds", r.wait_seconds, "a number >= 0 (0: exit at once when a job is running)")
     need(bool(cfg.tracking.experiment), "tracking.experiment", cfg.tracking.experiment, "a non-empty experiment name")
+    f = cfg.federated
+    for key in ("rounds", "clients", "local_epochs", "batch_size", "min_successful_clients", "num_cpus"):
+        need(f[key] >= 1, f"federated.{key}", f[key], "an integer >= 1")
+    need(f.finetune_epochs >= 0, "federated.finetune_epochs", f.finetune_epochs, "an integer >= 0")
+    need(f.min_successful_clients <= f.clients, "federated.min_successful_clients", f.min_successful_clients,
+         f"at most federated.clients ({f.clients})")
+    for key in ("fraction_train", "fraction_evaluate"):
+        need(0 < f[key] <= 1, f"federated.{key}", f[key], "a number in (0, 1]")
+    need(f.lr > 0, "federated.lr", f.lr, "a number > 0")
+    need(f.mu >= 0, "federated.mu", f.mu, "a number >= 0 (0: no proximal term)")
+    need(f.dp.noise_multiplier >= 0, "federated.dp.noise_multiplier", f.dp.noise_multiplier, "a number >= 0")
+    need(f.dp.clipping_norm > 0, "federated.dp.clipping_norm", f.dp.clipping_norm, "a number > 0")
+    pop = f.population
+    need(pop.train_per_client >= 1, "federated.population.train_per_client", pop.train_per_client, "an integer >= 1")
+    need(pop.holdout_per_client >= 1, "federated.population.holdout_per_client", pop.holdout_per_client, "an integer >= 1")
+    need(pop.label_alpha > 0, "federated.population.label_alpha", pop.label_alpha, "a number > 0 (smaller: more skewed labels)")
+    need(len(pop.slant_deg) == 2 and pop.slant_deg[0] <= pop.slant_deg[1], "federated.population.slant_deg", list(pop.slant_deg),
+         "[low, high] degrees")
+    need(len(pop.strokes) >= 1 and all(s >= 0 for s in pop.strokes), "federated.population.strokes", list(pop.strokes),
+         "a non-empty list of integers >= 0")
 
 
 def _schema_error(exc, schema: type, *, prefix: str = "", owner: str | None = None) -> ConfigError:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAGES = ("prepare", "convert", "pretrain", "generate", "train", "evaluate", "export")
+STAGES = ("prepare", "convert", "pretrain", "generate", "train", "evaluate", "export", "federate")
 SPLITS = ("global_train", "global_test", "user_train", "user_holdout")
 
 

@@ -653,7 +653,7 @@ def single_threaded_workers() -> Iterator[None]:
     """Environment for the Ray workers the simulation starts: one BLAS/OpenMP thread each, no
     usage statistics, Flower's telemetry off (the network is not ours to use)."""
     wanted = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-              "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+              "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:
@@ -668,11 +668,12 @@ def single_threaded_workers() -> Iterator[None]:
 
 @contextlib.contextmanager
 def quiet_flower(verbose: bool = False) -> Iterator[None]:
-    """Flower logs every step at INFO; keep its warnings and errors only (unless verbose)."""
+    """Flower logs every step at INFO (and that run_simulation is deprecated in favour of its
+    CLI at WARNING); keep its errors only, unless verbose."""
     logger = logging.getLogger("flwr")
     level = logger.level
     if not verbose:
-        logger.setLevel(logging.WARNING)
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
