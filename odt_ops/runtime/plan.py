@@ -10,6 +10,8 @@ between two kernels there is no interpreter loop, no list indexing and no lookup
 from __future__ import annotations
 
 import functools
+import itertools
+import linecache
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,6 +30,7 @@ from odt_ops.runtime.memory import tune_allocator
 
 Check = Callable[[np.ndarray], None]
 _CODE_NAME = "<odt_ops plan>"
+_PLANS = itertools.count(1)  # each plan's generated source gets its own file name
 
 
 def node_label(node: onnx.NodeProto) -> str:
@@ -104,26 +107,48 @@ class Plan:
         fuse: bool | Iterable[str] | None = None,
         destinations: Sequence[str] = (),
         checks: Mapping[str, Check] | None = None,
+        trace: bool | None = None,
     ):
         tune_allocator()
         self.input_names = list(input_names)
         self.output_names = list(output_names)
         self.destinations = list(destinations)
-        checks = dict(checks or {})
+        self._constants = dict(constants)
+        self._checks = dict(checks or {})
+        stray = set(self.destinations) - set(self.output_names)
+        if stray:
+            raise ValueError(f"destinations {sorted(stray)} are not among the plan's outputs")
+        # the phases, each a method: order (and fuse) the nodes, bind each to its kernel, free each
+        # value after its last reader, let nodes write destinations in place, generate the run
+        nodes = self._ordered_nodes(graph, opsets, fuse)
+        self.fusions = [n.op_type for n in nodes if n.domain == fusion.DOMAIN]
+        bound = self._bound_steps(nodes, opsets, rng)
+        self.steps = self._with_frees(bound)
+        writers = self._in_place_writers()
+        self.in_place = sorted(self.steps[i].outputs[0] for i in writers)
+        self._run = self._compile(writers)
+        if trace if trace is not None else os.environ.get("ODT_TRACE", "0") not in ("", "0"):
+            self.instrument(_tracer)
+
+    # ---- the phases -----------------------------------------------------------------------
+    def _ordered_nodes(self, graph: onnx.GraphProto, opsets: Mapping[str, int], fuse) -> list[onnx.NodeProto]:
+        """Every node, in an order that runs each after its producers, with the engine's fusions applied."""
         missing = missing_kernels(graph.node, opsets)
         if missing:
             raise UnsupportedOpError(missing)
-        available = set(constants) | set(self.input_names)
+        available = set(self._constants) | set(self.input_names)
         nodes = topological_order(graph.node, available)
         if fuse is None:
             fuse = os.environ.get("ODT_FUSE", "1") != "0"
         if fuse:
-            keep = set(self.output_names) | set(checks) | {n for node in nodes for n in implicit_inputs(node)}
+            keep = set(self.output_names) | set(self._checks) | {n for node in nodes for n in implicit_inputs(node)}
             only = None if fuse is True else set(fuse)
-            nodes = topological_order(fusion.fuse(nodes, constants, keep, only), available)
-        self.fusions = [n.op_type for n in nodes if n.domain == fusion.DOMAIN]
+            nodes = topological_order(fusion.fuse(nodes, self._constants, keep, only), available)
+        return nodes
 
-        known = set(available)
+    def _bound_steps(self, nodes: list[onnx.NodeProto], opsets: Mapping[str, int], rng) -> list[tuple]:
+        """(kernel with its attributes bound, input names, output names, node) per node."""
+        known = set(self._constants) | set(self.input_names)
         steps = []
         for node in nodes:
             ins = list(node.input)
@@ -137,15 +162,14 @@ class Plan:
             # fused nodes run ai.onnx kernels at the graph's opset
             opset = opsets.get("" if node.domain in ("ai.onnx", fusion.DOMAIN) else node.domain, 0)
             steps.append((bind_node(node, opset, rng, opsets), tuple(ins), tuple(node.output), node))
-        for name in [*self.output_names, *checks]:
+        for name in [*self.output_names, *self._checks]:
             if name not in known:
                 raise ModelCheckError(f"graph output {name!r} is produced by no node, input or initializer")
-        stray = set(self.destinations) - set(self.output_names)
-        if stray:
-            raise ValueError(f"destinations {sorted(stray)} are not among the plan's outputs")
+        return steps
 
-        # free each intermediate right after its last reader; constants, feeds and outputs stay
-        stay = set(self.output_names) | available
+    def _with_frees(self, steps: list[tuple]) -> list[Step]:
+        """Each intermediate freed right after its last reader; constants, feeds and outputs stay."""
+        stay = set(self.output_names) | set(self._constants) | set(self.input_names)
         last_use: dict[str, int] = {}
         for i, (_, ins, outs, _) in enumerate(steps):
             for name in (*ins, *outs):
@@ -155,10 +179,12 @@ class Plan:
         for name, i in last_use.items():
             if name not in stay:
                 frees_at[i].append(name)
-        self.steps = [Step(fn, ins, outs, tuple(frees_at[i]), node) for i, (fn, ins, outs, node) in enumerate(steps)]
+        return [Step(fn, ins, outs, tuple(frees_at[i]), node) for i, (fn, ins, outs, node) in enumerate(steps)]
 
-        # a node writes a destination in place only after every check has passed
-        after_checks = max((i for i, s in enumerate(self.steps) for o in s.outputs if o in checks), default=-1)
+    def _in_place_writers(self) -> dict[int, Callable]:
+        """Steps that can compute a destination straight into its array: only after every check
+        has passed, so a failed check leaves every destination as it was."""
+        after_checks = max((i for i, s in enumerate(self.steps) for o in s.outputs if o in self._checks), default=-1)
         writers = {}
         for i, s in enumerate(self.steps):
             for name in s.outputs:
@@ -166,10 +192,7 @@ class Plan:
                     writer = inplace.writer(s.node, s.fn)
                     if writer is not None:
                         writers[i] = writer
-        self.in_place = sorted(self.steps[i].outputs[0] for i in writers)
-        self._constants = dict(constants)
-        self._checks = checks
-        self._run = self._compile(writers)
+        return writers
 
     def run(self, feeds: Sequence[np.ndarray], *, into: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         run = self._run
@@ -251,7 +274,7 @@ class Plan:
                 code = f"_r = {call}" + "".join(f"; {bind(n)} = _r[{j}]" for j, n in named) + "; _r = None"
             code += checks(n for _, n in named)
             code += "".join(f"; {local.pop(n)} = None" for n in step.frees if n in local)
-            lines.append("    " + code)
+            lines.append("    " + code + f"  # {_comment(step)}")
         results, copies = [], []
         for name in self.output_names:
             if name in self.destinations:
@@ -265,10 +288,42 @@ class Plan:
             lines.append(f"    if into is not None: {'; '.join(copies)}")
         lines.append(f"    return [{', '.join(results)}]")
         space.update({key: fn for key, (_, fn) in kernels.items()})
-        exec(compile("\n".join(lines) + "\n", _CODE_NAME, "exec"), space)  # noqa: S102 - generated from the plan's own steps
+        source = "\n".join(lines) + "\n"
+        filename = f"{_CODE_NAME[:-1]} {next(_PLANS)}>"
+        # registered, so tracebacks, pdb and inspect show the generated source with its node comments
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        exec(compile(source, filename, "exec"), space)  # noqa: S102 - generated from the plan's own steps
         run = space["run"]
-        run.first_step_line, run.kernels, run.step_inputs = first_step_line, kernels, step_inputs
+        run.first_step_line, run.kernels, run.step_inputs, run.source = first_step_line, kernels, step_inputs, source
         return run
+
+
+def _comment(step: Step) -> str:
+    ins = ", ".join(n or "-" for n in step.inputs)
+    outs = ", ".join(n or "-" for n in step.outputs)
+    return f"{node_label(step.node)}: ({ins}) -> ({outs})".replace("\n", " ")
+
+
+def _tracer(step: Step, fn: Callable) -> Callable:
+    """A kernel that prints, after it runs, its node and each output's dtype, shape and range
+    (what onnx.reference's verbose mode shows), on stderr."""
+    def traced(*args, **kwargs):
+        outputs = fn(*args, **kwargs)
+        for name, value in zip(step.outputs, outputs):
+            if name:
+                print(f"{node_label(step.node)} -> {name}: {_describe(value)}", file=sys.stderr)
+        return outputs
+
+    return traced
+
+
+def _describe(value) -> str:
+    array = np.asarray(value)
+    if array.dtype.kind in "fiub" and array.size:
+        finite = array[np.isfinite(array)] if array.dtype.kind == "f" else array
+        span = f" range [{finite.min():.6g}, {finite.max():.6g}]" if finite.size else " no finite value"
+        return f"{array.dtype}{list(array.shape)}{span}"
+    return f"{array.dtype}{list(array.shape)}"
 
 
 def _failed_step(exc: BaseException, run: Callable):

@@ -365,3 +365,38 @@ def test_relu_of_a_vector_product_is_fused_too():
     for x in (w, -w):
         got = np.asarray(plan.run([x])[0])
         assert got.shape == () and got == max(np.float32(x @ w), np.float32(0))
+
+
+def _two_node_plan(**kwargs):
+    from onnx import helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["h"], name="act"), helper.make_node("Reshape", ["h", "s"], ["y"], name="flat")],
+                              "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3]),
+                                    helper.make_tensor_value_info("s", onnx.TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    return Plan(graph, {"": 21}, {}, ["x", "s"], ["y"], **kwargs)
+
+
+def test_the_generated_run_has_source_that_tracebacks_and_debuggers_show():
+    import inspect
+    import traceback
+
+    from odt_ops.errors import KernelError
+
+    plan = _two_node_plan()
+    source = inspect.getsource(plan._run)  # what pdb's `list` shows
+    assert "Relu node 'act': (x) -> (h)" in source and "Reshape node 'flat': (h, s) -> (y)" in source
+    with pytest.raises(KernelError) as raised:
+        plan.run([np.ones((2, 3), np.float32), np.array([4, 4])])
+    shown = "".join(traceback.format_exception(raised.value.__cause__))
+    assert "Reshape node 'flat'" in shown  # the generated line, with its node, in the traceback
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_trace_mode_prints_each_node_with_its_outputs(capsys, monkeypatch, how):
+    if how == "environment":
+        monkeypatch.setenv("ODT_TRACE", "1")
+    plan = _two_node_plan(**({"trace": True} if how == "argument" else {}))
+    plan.run([np.array([[-1, 2, 3], [4, -5, 6]], np.float32), np.array([3, 2])])
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["Relu node 'act' -> h: float32[2, 3] range [0, 6]", "Reshape node 'flat' -> y: float32[3, 2] range [0, 6]"]
