@@ -38,13 +38,20 @@ def _export(net, x) -> onnx.ModelProto:
     return onnx.load_from_string(buffer.getvalue())
 
 
-class CrossEntropyTraining(onnxblock.TrainingBlock):
-    def __init__(self):
-        super().__init__()
-        self.loss = onnxblock.loss.CrossEntropyLoss()
+def _loss_on_top(base_block, loss):
+    """A block as ORT users write one: a loss built on the model's output."""
+    class LossOnTop(base_block):
+        def __init__(self):
+            super().__init__()
+            self.loss = loss()
 
-    def build(self, output_name):
-        return self.loss(output_name)
+        def build(self, output_name):
+            return self.loss(output_name)
+
+    return LossOnTop
+
+
+CrossEntropyTraining = _loss_on_top(onnxblock.TrainingBlock, onnxblock.loss.CrossEntropyLoss)
 
 
 @pytest.fixture
@@ -148,15 +155,7 @@ def test_load_checkpoint_to_model_writes_the_trained_values_into_the_forward_mod
 def test_a_forward_block_is_the_model_with_its_output(net_and_data):
     net, x, _, _ = net_and_data
 
-    class Mse(onnxblock.ForwardBlock):
-        def __init__(self):
-            super().__init__()
-            self.loss = onnxblock.loss.MSELoss()
-
-        def build(self, output_name):
-            return self.loss(output_name)
-
-    block = Mse()
+    block = _loss_on_top(onnxblock.ForwardBlock, onnxblock.loss.MSELoss)()
     base = _export(net, x)
     with onnxblock.base(base) as accessor:
         assert accessor.model is base
