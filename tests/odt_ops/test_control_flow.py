@@ -70,27 +70,28 @@ def _oracles(model, feeds, *, reference=True):
     return ours
 
 
-def _loop_body():
-    """(i, cond, acc) -> (acc + w * i < limit, acc + w * i, acc * scale): reads w, limit, scale from outside."""
+def _loop_body(counted=False):
+    """(i, cond, acc) -> (sum(acc + w * i) < limit, acc + w * i, acc * scale): reads w, limit, scale from
+    outside. ``counted``: the condition is i < 6 instead, which constant evaluation decides."""
     nodes = [
         helper.make_node("Cast", ["i"], ["fi"], to=F),
         helper.make_node("Mul", ["w", "fi"], ["step"]),
         helper.make_node("Add", ["acc", "step"], ["acc_out"]),
         helper.make_node("ReduceSum", ["acc_out"], ["total"], keepdims=0),
-        helper.make_node("Less", ["total", "limit"], ["cond_out"]),
+        helper.make_node("Less", ["i", "six"], ["cond_out"]) if counted else helper.make_node("Less", ["total", "limit"], ["cond_out"]),
         helper.make_node("Mul", ["acc", "scale"], ["scan_out"]),
     ]
     return helper.make_graph(nodes, "body", [_vi("i", I64, []), _vi("cond", B, []), _vi("acc", F, [3])],
                              [_vi("cond_out", B, []), _vi("acc_out", F, [3]), _vi("scan_out", F, [3])])
 
 
-def _loop_model(with_m=True, with_cond=True):
+def _loop_model(with_m=True, with_cond=True, counted=False):
     inputs = [_vi("M", I64, []) if with_m else None, _vi("c", B, []) if with_cond else None, _vi("acc0", F, [3])]
-    node = helper.make_node("Loop", ["M" if with_m else "", "c" if with_cond else "", "acc0"], ["acc", "scans"], body=_loop_body())
+    node = helper.make_node("Loop", ["M" if with_m else "", "c" if with_cond else "", "acc0"], ["acc", "scans"], body=_loop_body(counted))
     return _model([node], [i for i in inputs if i is not None], [_vi("acc", F, [3]), _vi("scans", F, [None, 3])],
                   [numpy_helper.from_array(np.array([0.5, 1.0, -0.25], np.float32), "w"),
                    numpy_helper.from_array(np.array(6.0, np.float32), "limit"),
-                   numpy_helper.from_array(np.array(2.0, np.float32), "scale")])
+                   numpy_helper.from_array(np.array(2.0, np.float32), "scale"), numpy_helper.from_array(np.array(6, np.int64), "six")])
 
 
 def test_loop_forward_trip_count_condition_and_outer_reads():
@@ -135,3 +136,66 @@ def test_scan_forward_axes_and_directions():
     for kw in [dict(axes=[1]), dict(axes=[-1], directions=[1]), dict(axes=[1], out_axes=[1]),
                dict(axes=[1], directions=[1], out_axes=[-1], out_directions=[1])]:
         _oracles(_scan_model(**kw), {"s0": s0, "x": xt}, reference=False)  # onnx.reference: default axes only
+
+
+# ---- lowering at load ------------------------------------------------------------------------------
+
+def _ops(model) -> set[str]:
+    from odt_ops.ir.control_flow import all_nodes
+
+    return {n.op_type for n in all_nodes(model.graph.node)}
+
+
+def test_static_loop_and_scan_unroll_and_constant_if_inlines_at_load():
+    from odt_ops.ir.load import load_model
+    from odt_ops.runtime.session import InferenceSession
+
+    acc0 = np.array([1.0, -2.0, 0.5], np.float32)
+    loop = _loop_model(counted=True)  # M and cond as initializers: a static trip count, a condition constant evaluation decides
+    consts = [numpy_helper.from_array(np.array(10, np.int64), "M"), numpy_helper.from_array(np.array(True), "c")]
+    loop.graph.initializer.extend(consts)
+    del loop.graph.input[:2]
+    assert not _ops(load_model(loop, target_opset=None, batch_dim=None)) & {"Loop", "If", "Scan"}
+    _oracles(loop, {"acc0": acc0})
+    scan = _scan_model(axes=[1], directions=[1], out_axes=[1], out_directions=[1])
+    for v in (*scan.graph.input, *scan.graph.output):
+        if v.name in ("x", "ys"):
+            v.type.tensor_type.shape.dim[0].dim_value, v.type.tensor_type.shape.dim[1].dim_value = (2, 5) if v.name == "x" else (2, 5)
+    assert not _ops(load_model(scan, target_opset=None, batch_dim=None)) & {"Scan"}
+    rng = np.random.default_rng(0)
+    _oracles(scan, {"s0": rng.standard_normal(2).astype(np.float32), "x": rng.standard_normal((2, 5)).astype(np.float32)},
+             reference=False)
+    model = _if_reading_initializer()
+    model.graph.initializer.append(numpy_helper.from_array(np.array(False), "c"))
+    del model.graph.input[0]
+    lowered = load_model(model, target_opset=None, batch_dim=None)
+    assert "If" not in _ops(lowered) and "Mul" in _ops(lowered) and "Add" not in _ops(lowered)
+    x = np.array([2.0, 3.0], np.float32)
+    np.testing.assert_array_equal(InferenceSession(model).run(None, {"x": x})[0], x * [3, 4])
+
+
+def test_dynamic_loop_fails_the_preflight_check_naming_the_node(tmp_path, capsys):
+    """The body reads the weight from outside; the trip count is an input: no unrolling, no gradient."""
+    import warnings
+
+    from odt_ops.__main__ import main
+    from odt_ops.artifacts import check_coverage
+
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("MatMul", ["h", "W"], ["h1"]),
+         helper.make_node("Tanh", ["h1"], ["h_out"])],
+        "body", [_vi("i", I64, []), _vi("cond", B, []), _vi("h", F, [1, 4])], [_vi("cond_out", B, []), _vi("h_out", F, [1, 4])])
+    model = _model([helper.make_node("Loop", ["steps", "", "x"], ["h"], body=body, name="the_loop"),
+                    helper.make_node("ReduceSum", ["h"], ["y"])],
+                   [_vi("steps", I64, []), _vi("x", F, [1, 4])], [_vi("y", F, [])],
+                   [numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = check_coverage(model, ["W"])
+    assert any("the_loop" in str(w.message) and "trip count" in str(w.message) for w in caught)
+    assert [nodes for (_, op, _), nodes in report["missing"].items() if op == "Loop"] == [["the_loop"]]
+    path = tmp_path / "loop.onnx"
+    onnx.save(model, path)
+    assert main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "Loop" in out and "the_loop" in out
