@@ -132,6 +132,14 @@ train:
   epochs: 3
 tracking:
   enabled: false
+federated:
+  clients: 3
+  rounds: 2
+  fraction_train: 1.0
+  finetune_epochs: 1
+  population:
+    train_per_client: 10
+    holdout_per_client: 10
 """
 
 
