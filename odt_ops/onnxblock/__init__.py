@@ -16,9 +16,12 @@ optimizer blocks called on ``parameters()``, ``save_checkpoint`` and
 ``load_checkpoint_to_model``.
 """
 from odt_ops.onnxblock import blocks, loss, optim
-from odt_ops.onnxblock.base import Block, base, current_builder, empty_base
+from odt_ops.onnxblock.base import Block, base, current_builder, empty_base, onnx_model
 from odt_ops.onnxblock.checkpoint_utils import load_checkpoint_to_model, save_checkpoint
 from odt_ops.onnxblock.model_blocks import ForwardBlock, TrainingBlock
 
-__all__ = ["Block", "ForwardBlock", "TrainingBlock", "base", "blocks", "current_builder", "empty_base",
-           "load_checkpoint_to_model", "loss", "optim", "save_checkpoint"]
+# ONNX Runtime 1.14's names, still in its published examples (the Android app's preparation script)
+TrainingModel, Model = TrainingBlock, ForwardBlock
+
+__all__ = ["Block", "ForwardBlock", "Model", "TrainingBlock", "TrainingModel", "base", "blocks", "current_builder", "empty_base",
+           "load_checkpoint_to_model", "loss", "onnx_model", "optim", "save_checkpoint"]

@@ -11,7 +11,8 @@ from odt_ops.errors import ArtifactError
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET
 
-_CURRENT: contextvars.ContextVar[tuple[onnx.ModelProto, GraphBuilder] | None] = contextvars.ContextVar("onnxblock_base", default=None)
+_CURRENT: contextvars.ContextVar[tuple[onnx.ModelProto, GraphBuilder, "ModelAccessor"] | None] = contextvars.ContextVar(
+    "onnxblock_base", default=None)
 
 
 class ModelAccessor:
@@ -20,6 +21,7 @@ class ModelAccessor:
 
     def __init__(self, model: onnx.ModelProto):
         self.model = model
+        self.eval_model: onnx.ModelProto | None = None  # set by a TrainingBlock built inside (ONNX Runtime 1.14's accessor)
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
@@ -29,9 +31,10 @@ class ModelAccessor:
 def base(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
     """Blocks called inside this context add their nodes to ``model`` (in place)."""
     builder = builder_for(model, prefix="loss")
-    token = _CURRENT.set((model, builder))
+    accessor = ModelAccessor(model)
+    token = _CURRENT.set((model, builder, accessor))
     try:
-        yield ModelAccessor(model)
+        yield accessor
     finally:
         _CURRENT.reset(token)
         model.graph.node.extend(builder.nodes)
@@ -71,10 +74,26 @@ def empty_base(opset_version: int = TARGET_OPSET) -> Iterator[ModelAccessor]:
 
 
 def current() -> tuple[onnx.ModelProto, GraphBuilder]:
+    return _state()[:2]
+
+
+def current_accessor() -> ModelAccessor:
+    return _state()[2]
+
+
+def _state():
     state = _CURRENT.get()
     if state is None:
         raise ArtifactError("a Block was called outside `with onnxblock.base(model):`; open a base model first")
     return state
+
+
+@contextlib.contextmanager
+def onnx_model(model: onnx.ModelProto | None = None) -> Iterator[ModelAccessor]:
+    """ONNX Runtime 1.14's name: ``base(model)``, or ``empty_base()`` without a model; after a
+    TrainingModel is built inside, ``accessor.eval_model`` is its eval model."""
+    with (base(model) if model is not None else empty_base()) as accessor:
+        yield accessor
 
 
 def current_builder() -> GraphBuilder:

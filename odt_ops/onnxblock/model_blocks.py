@@ -15,7 +15,7 @@ import onnx
 from onnx import helper
 
 from odt_ops.errors import ArtifactError
-from odt_ops.onnxblock.base import Block, flush
+from odt_ops.onnxblock.base import Block, current_accessor, flush
 
 LAZY_RESET = "lazy_reset_grad"
 
@@ -122,6 +122,7 @@ class TrainingBlock(Block):
         _add_ort_accumulation(train, [*split.trainable, *wanted_inputs])
         self._models = (train, evaluation)
         model.CopyFrom(train)
+        current_accessor().eval_model = evaluation
         return output
 
 

@@ -244,3 +244,60 @@ def test_a_training_block_can_ask_for_the_gradient_of_an_input(net_and_data):
     tx = x.clone().requires_grad_(True)
     torch.nn.functional.cross_entropy(net(tx), y).backward()
     np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-4, atol=1e-7)
+
+
+def test_the_onnx_runtime_1_14_names_of_the_android_example_flow(tmp_path):
+    """ORT's published Android example still prepares its assets with 1.14's names:
+    onnxblock.TrainingModel, `with onnxblock.onnx_model(model) as accessor` and
+    accessor.eval_model, an optimizer built in `onnxblock.onnx_model()`, save_checkpoint.
+    The files it writes train here, with PyTorch's loss and gradients."""
+    class SmallConvNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4 * 3 * 3, 5)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(torch.nn.functional.max_pool2d(torch.relu(self.conv(x)), 2), 1))
+
+    torch.manual_seed(0)
+    net = SmallConvNet()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    import io
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (x,), buffer, input_names=["input"], output_names=["output"], opset_version=14,
+                          dynamic_axes={"input": {0: "batch_size"}, "output": {0: "batch_size"}},
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, dynamo=False)
+    model = onnx.load_from_string(buffer.getvalue())
+
+    class ImageClassifier(onnxblock.TrainingModel):
+        def __init__(self):
+            super().__init__()
+            self._loss = onnxblock.loss.CrossEntropyLoss()
+
+        def build(self, input_name):
+            return self._loss(input_name)
+
+    classifier = ImageClassifier()
+    for name, _ in net.named_parameters():
+        classifier.requires_grad(name)
+    with onnxblock.onnx_model(model) as accessor:
+        classifier(model.graph.output[0].name)
+        eval_model = accessor.eval_model
+    onnx.save(model, tmp_path / "training_model.onnx")
+    onnx.save(eval_model, tmp_path / "eval_model.onnx")
+    with onnxblock.onnx_model() as accessor:
+        onnxblock.optim.AdamW(clip_grad=None)(classifier.parameters())
+        onnx.save(accessor.model, tmp_path / "optimizer.onnx")
+    onnxblock.save_checkpoint(classifier.parameters(), tmp_path / "checkpoint")
+
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    Optimizer(tmp_path / "optimizer.onnx", module)
+    loss = module(x.numpy(), y.numpy())
+    want = torch.nn.functional.cross_entropy(net(x), y)
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    np.testing.assert_allclose(state.parameters["conv.weight"].grad, net.conv.weight.grad.numpy(), rtol=1e-4, atol=1e-6)
