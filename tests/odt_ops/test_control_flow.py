@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from odt_ops.ir import passes
@@ -199,3 +200,119 @@ def test_dynamic_loop_fails_the_preflight_check_naming_the_node(tmp_path, capsys
     assert main(["check", str(path)]) == 1
     out = capsys.readouterr().out
     assert "Loop" in out and "the_loop" in out
+
+
+# ---- training through lowered control flow, against torch autograd ---------------------------------
+
+def _train_one_step(proto, requires_grad, x_feeds, labels, tmp_path):
+    """Loss and gradients of one Module step on ``proto`` with a cross-entropy loss."""
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    artifacts.generate_artifacts(proto, requires_grad=requires_grad, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
+    for kind in ("training_model", "eval_model"):  # standard ONNX: no control flow left, onnx.checker passes
+        written = onnx.load(tmp_path / f"{kind}.onnx")
+        onnx.checker.check_model(written, full_check=True)
+        assert not _ops(written) & {"Loop", "If", "Scan"}
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    model = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    model.train()
+    loss = model(*x_feeds, labels)
+    return float(loss), {n: state.parameters[n].grad for n in requires_grad}
+
+
+def _initializer_named_like(proto, value: np.ndarray) -> str:
+    hits = [t.name for t in proto.graph.initializer if numpy_helper.to_array(t).shape == value.shape
+            and np.array_equal(numpy_helper.to_array(t), value)]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+def _recommender(mode):
+    import torch
+
+    class Recommender(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.EmbeddingBag(30, 6, mode=mode)
+            self.head = torch.nn.Linear(6, 4)
+
+        def forward(self, items, offsets):
+            return self.head(self.emb(items, offsets))
+
+    return Recommender()
+
+
+def _check_recommender_trains_like_torch(mode, how, tmp_path):
+    """A one-dimensional batch of items cut into bags by offsets: TorchScript exports a Loop over the
+    bags, dynamo a while Loop with nested Ifs appending to a sequence. Loss and every gradient equal
+    torch autograd's after one Module step."""
+    import io
+    import warnings
+
+    import torch
+
+    items = np.array([1, 7, 4, 5, 4, 3, 29, 9, 0, 12], np.int64)
+    offsets = np.array([0, 2, 5, 6], np.int64)
+    labels = np.array([0, 3, 1, 2], np.int64)
+    module = _recommender(mode)
+    args = (torch.from_numpy(items), torch.from_numpy(offsets))
+    want = torch.nn.functional.cross_entropy(module(*args), torch.from_numpy(labels))
+    want.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if how == "dynamo":
+            proto = torch.onnx.export(module, args, dynamo=True, input_names=["items", "offsets"], verbose=False).model_proto
+        else:
+            buffer = io.BytesIO()
+            torch.onnx.export(module, args, buffer, dynamo=False, opset_version=how, input_names=["items", "offsets"])
+            proto = onnx.load_from_string(buffer.getvalue())
+    assert "Loop" in _ops(proto)
+    grads = {_initializer_named_like(proto, p.detach().numpy()): p.grad.numpy() for p in module.parameters()}
+    loss, got = _train_one_step(proto, sorted(grads), [items, offsets], labels, tmp_path)
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    for name, grad in grads.items():
+        np.testing.assert_allclose(got[name], grad, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+@pytest.mark.parametrize("mode", ["mean", "sum"])
+def test_embedding_bag_recommender_trains_like_torch(mode, opset, tmp_path):
+    _check_recommender_trains_like_torch(mode, opset, tmp_path)
+
+
+@pytest.mark.slow
+def test_embedding_bag_dynamo_export_trains_like_torch(tmp_path):
+    _check_recommender_trains_like_torch("mean", "dynamo", tmp_path)
+
+
+def test_data_dependent_if_trains_like_torch(tmp_path):
+    """y = x @ W1 if sum(x) > 0 else 2 * (x @ W2): both branches run, Where picks; each batch takes one."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    w1, w2 = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "W1"], ["t"])], "then", [], [_vi("t", F, ["batch", 3])])
+    other = helper.make_graph([helper.make_node("MatMul", ["x", "W2"], ["e0"]), helper.make_node("Add", ["e0", "e0"], ["e"])],
+                              "else", [], [_vi("e", F, ["batch", 3])])
+    proto = _model([helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+                    helper.make_node("Greater", ["total", "zero"], ["positive"]),
+                    helper.make_node("If", ["positive"], ["logits"], then_branch=then, else_branch=other)],
+                   [_vi("x", F, ["batch", 4])], [_vi("logits", F, ["batch", 3])],
+                   [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2"),
+                    numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    labels = np.array([2, 0], np.int64)
+    for sign in (1, -1):
+        x = (np.abs(rng.standard_normal((2, 4))) * sign).astype(np.float32)
+        tw1, tw2 = torch.tensor(w1, requires_grad=True), torch.tensor(w2, requires_grad=True)
+        tx = torch.from_numpy(x)
+        logits = tx @ tw1 if tx.sum() > 0 else 2 * (tx @ tw2)
+        want = torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels))
+        want.backward()
+        loss, got = _train_one_step(proto, ["W1", "W2"], [x], labels, tmp_path / str(sign))
+        np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+        for name, w in (("W1", tw1), ("W2", tw2)):  # the branch not taken: torch has no gradient, ours is zero
+            np.testing.assert_allclose(got[name], w.grad.numpy() if w.grad is not None else np.zeros_like(w1), rtol=1e-5, atol=1e-7)
+        _oracles(proto, {"x": x})
