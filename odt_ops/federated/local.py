@@ -113,8 +113,7 @@ class LocalTrainer:
         self._optimizer_model = read_model(d / "optimizer_model.onnx").proto
         eval_info = meta.read(read_model(d / "eval_model.onnx").proto, str(d / "eval_model.onnx"))
         self.has_logits = bool(eval_info.extra_outputs)
-        # SLF001 waived until federated/'s owner switches to the public module.training_state.roles.trainable
-        self.trainable = list(self.module._info.trainable)  # noqa: SLF001
+        self.trainable = list(self.module.training_state.roles.trainable)
         self.base = self.parameters()  # the artifacts' trainable weights: the base every client has
 
     # ---- parameters --------------------------------------------------------------------------
@@ -250,8 +249,7 @@ class LocalTrainer:
     def _reseed(self, config: RoundConfig) -> None:
         """The Module's generator (Dropout) seeded from (seed, client, round)."""
         seeded = np.random.default_rng([config.seed, config.client_id, config.server_round, 1])
-        # SLF001 waived until federated/'s owner switches to the public module.training_state.rng
-        self.module._rng.bit_generator.state = seeded.bit_generator.state  # noqa: SLF001
+        self.module.training_state.rng.bit_generator.state = seeded.bit_generator.state
 
 
 __all__ = ["EvalResult", "LocalTrainer", "RoundConfig", "RoundResult"]
