@@ -58,6 +58,11 @@ class KernelError(OdtError, RuntimeError):
     """A kernel failed on the values it was given; names the node and the input shapes."""
 
 
+def node_label(node) -> str:
+    """How every message names a node (an onnx.NodeProto): its op and name, or what it produces."""
+    return f"{node.op_type} node {node.name!r}" if node.name else f"{node.op_type} node producing {list(node.output)}"
+
+
 def describe_arrays(values: Iterable[object]) -> str:
     """Short 'float32[2,3], None' rendering of kernel inputs for error messages."""
     parts = []

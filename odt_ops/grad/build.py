@@ -22,8 +22,8 @@ from odt_ops.grad.coverage import NOT_DIFFERENTIABLE
 from odt_ops.grad.registry import GradContext, lookup_gradient
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.model import Model, default_opset
+from odt_ops.ir.order import topological_order
 from odt_ops.kernels import lookup
-from odt_ops.runtime.plan import topological_order
 
 MIN_OPSET = 18  # rules emit opset-18+ signatures (axes as inputs, Split num_outputs)
 FLOAT_TYPES = frozenset(

@@ -170,7 +170,7 @@ def _concat_built_sequences(model: Model) -> bool:
         node.attribute.append(helper.make_attribute("axis", axis))
         changed = True
     if changed:
-        from odt_ops.runtime.plan import topological_order
+        from odt_ops.ir.order import topological_order
 
         ordered = topological_order(graph.node, {i.name for i in graph.input} | {t.name for t in graph.initializer})
         kept = [onnx.NodeProto() for _ in ordered]
@@ -207,7 +207,10 @@ def _inferred_value_info(model: Model) -> Iterator[None]:
 
 def _infer(model: Model) -> onnx.ModelProto | None:
     """Shape inference on a light copy: initializers that are large or external are stood in for
-    by typed graph inputs. None when inference fails (the load's own inference names the fault)."""
+    by typed graph inputs, and inputs of rank >= 2 have a symbolic first dimension, as loading
+    later gives them: a shape or trip count that depends on the batch is not taken for a
+    constant (folding it would fix the batch size). None when inference fails (the load's own
+    inference names the fault)."""
     graph = model.graph
     light = onnx.ModelProto()
     light.ir_version = max(model.proto.ir_version, 4)
@@ -216,8 +219,12 @@ def _infer(model: Model) -> onnx.ModelProto | None:
     g.name = graph.name
     g.node.extend(graph.node)
     g.input.extend(graph.input)
-    g.output.extend(graph.output)
-    g.value_info.extend(graph.value_info)
+    g.output.extend(graph.output)  # the exporter's value_info, shaped for its batch, stays out
+    for value, rank in [*((v, 2) for v in g.input), *((v, 1) for v in g.output)]:
+        tt = value.type.tensor_type
+        if tt.HasField("shape") and len(tt.shape.dim) >= rank:
+            tt.shape.dim[0].Clear()
+            tt.shape.dim[0].dim_param = "batch"
     inputs = {i.name for i in graph.input}
     for t in graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL or int(np.prod(t.dims, dtype=np.int64)) > _SMALL:
@@ -243,7 +250,7 @@ class _Rewriter:
         self.graph = model.graph
         self.opset = model.opset
         inferred = _infer(model)
-        self.types: dict[str, onnx.TypeProto] = {v.name: v.type for v in (*self.graph.input, *self.graph.value_info, *self.graph.output)}
+        self.types: dict[str, onnx.TypeProto] = {v.name: v.type for v in self.graph.input}
         self.types.update({t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in self.graph.initializer})
         self.inferred_nodes: list[onnx.NodeProto] = list(self.graph.node)
         if inferred is not None:
@@ -293,10 +300,12 @@ class _Rewriter:
             if not _is_control_flow(node):
                 nodes.append(node)
                 continue
+            added = len(self.new_initializers)
             try:
                 lowered = getattr(self, f"_lower_{node.op_type.lower()}")(node, inferred)
             except _Cannot:
                 lowered = None
+                del self.new_initializers[added:]
             if lowered is None:
                 nodes.append(node)
             else:
@@ -407,7 +416,7 @@ class _Rewriter:
         scans: list[list[str]] = [[] for _ in range(k)]
         i = 0
         while go and (trip is None or i < trip):
-            if len(out) > MAX_UNROLLED_NODES:
+            if len(out) + i > MAX_UNROLLED_NODES:
                 raise _Cannot(f"unrolled, it would exceed {MAX_UNROLLED_NODES} nodes after {i} iterations")
             bind = dict(shared)
             bind[inner[0]] = self.constant(np.array(i, np.int64), f"{node.name}/iteration_{i}")
@@ -540,7 +549,7 @@ class _Rewriter:
     def _evaluate(self, graph: onnx.GraphProto, known: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every value of ``graph`` computable from ``known`` and small outer constants."""
         from odt_ops.ir.passes import NOT_FOLDABLE
-        from odt_ops.runtime.plan import bind_node
+        from odt_ops.kernels.binding import bind_kernel
 
         values = dict(known)
         values.update({t.name: numpy_helper.to_array(t) for t in graph.initializer if int(np.prod(t.dims, dtype=np.int64)) <= _SMALL})
@@ -557,7 +566,7 @@ class _Rewriter:
                 if any(a is not None and a.size > _SMALL for a in args):
                     continue
                 try:
-                    result = bind_node(node, self.opset)(*args)
+                    result = bind_kernel(node, self.opset)(*args)
                 except Exception:  # noqa: BLE001 - left to run time, where errors name the node
                     continue
                 values.update((o, np.asarray(r)) for o, r in zip(node.output, result) if o)

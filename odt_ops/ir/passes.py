@@ -73,7 +73,7 @@ def inline_constant_nodes(model: Model) -> bool:
 def fold_constants(model: Model) -> bool:
     """Evaluate every node whose inputs are all constant (ConstantOfShape weights,
     Shape arithmetic, ...) and store its outputs as initializers."""
-    from odt_ops.runtime.plan import bind_node
+    from odt_ops.kernels.binding import bind_kernel
 
     graph = model.graph
     const = _LazyConstants(graph.initializer, model)
@@ -95,7 +95,7 @@ def fold_constants(model: Model) -> bool:
                 value = (np.array(shape, dtype=np.int64)[attrs.get("start", 0) : attrs.get("end", None)],)
         elif node.input and all(n == "" or n in const for n in node_reads(node)) and not parameters.intersection(node_reads(node)):
             try:  # a subgraph's outer reads follow the inputs (odt_ops/kernels/control_flow.py)
-                fn = bind_node(node, model.opset)
+                fn = bind_kernel(node, model.opset)
                 value = fn(*[const[n] if n else None for n in node.input], *[const[n] for n in implicit_inputs(node)])
             except (OdtError, ArithmeticError, ValueError, TypeError, IndexError):
                 value = None  # leave it to run time, where errors name the node
@@ -305,7 +305,7 @@ def prune_unused(model: Model) -> bool:
 
 def require_kernels(model: Model) -> bool:
     """Reject, in one error, every op that has no kernel (before anything runs)."""
-    from odt_ops.runtime.plan import missing_kernels
+    from odt_ops.kernels.binding import missing_kernels
 
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.proto.opset_import}
     missing = missing_kernels(model.graph.node, opsets)

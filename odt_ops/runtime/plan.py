@@ -9,7 +9,6 @@ between two kernels there is no interpreter loop, no list indexing and no lookup
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import linecache
 import os
@@ -20,11 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays
-from odt_ops.ir.attributes import node_attributes
-from odt_ops.ir.control_flow import all_nodes, implicit_inputs, node_reads
-from odt_ops.kernels import lookup
-from odt_ops.kernels.control_flow import Scope
+from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
+from odt_ops.ir.control_flow import implicit_inputs
+from odt_ops.ir.order import topological_order
+from odt_ops.kernels.binding import bind_kernel, missing_kernels
 from odt_ops.runtime import fusion, inplace
 from odt_ops.runtime.memory import tune_allocator
 
@@ -33,44 +31,13 @@ _CODE_NAME = "<odt_ops plan>"
 _PLANS = itertools.count(1)  # each plan's generated source gets its own file name
 
 
-def node_label(node: onnx.NodeProto) -> str:
-    return f"{node.op_type} node {node.name!r}" if node.name else f"{node.op_type} node producing {list(node.output)}"
-
-
-def missing_kernels(nodes: Iterable[onnx.NodeProto], opsets: Mapping[str, int]) -> dict[tuple[str, str, int], list[str]]:
-    """(domain, op, opset) -> node names, for every node no kernel covers (in subgraphs too)."""
-    missing: dict[tuple[str, str, int], list[str]] = {}
-    for node in all_nodes(nodes):
-        domain = "" if node.domain == "ai.onnx" else node.domain
-        opset = opsets.get(domain, 0)
-        if lookup(domain, node.op_type, opset) is None:
-            missing.setdefault((domain, node.op_type, opset), []).append(node.name or node.output[0])
-    return missing
-
-
 def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None = None,
               opsets: Mapping[str, int] | None = None) -> Callable[..., tuple]:
-    """The node's kernel with attributes and engine keywords bound. A control-flow kernel (one
-    taking ``_scope``) is called with the outer values its subgraphs read after its inputs."""
+    """The node's kernel with attributes and engine keywords bound; the engine's fused nodes
+    (runtime/fusion.py) are bound by the fusion that made them."""
     if node.domain == fusion.DOMAIN:
         return fusion.bind(node, opset)
-    entry = lookup(node.domain, node.op_type, opset)
-    if entry is None:
-        raise UnsupportedOpError({(node.domain, node.op_type, opset): [node.name]})
-    attrs = node_attributes(node)
-    unknown = set(attrs) - entry.attributes
-    if unknown:
-        raise ModelCheckError(
-            f"{node_label(node)}: attribute(s) {sorted(unknown)} are not part of {node.op_type} "
-            f"(opset {opset}); allowed: {sorted(entry.attributes)}"
-        )
-    if "_num_outputs" in entry.engine_keywords:
-        attrs["_num_outputs"] = len(node.output)
-    if "_rng" in entry.engine_keywords:
-        attrs["_rng"] = rng if rng is not None else np.random.default_rng(0)
-    if "_scope" in entry.attributes:
-        attrs["_scope"] = Scope(tuple(implicit_inputs(node)), dict(opsets or {"": opset}), rng, node_label(node))
-    return functools.partial(entry.fn, **attrs) if attrs else entry.fn
+    return bind_kernel(node, opset, rng, opsets)
 
 
 @dataclass(frozen=True)
@@ -335,30 +302,3 @@ def _failed_step(exc: BaseException, run: Callable):
             return (index, tb.tb_frame) if 0 <= index < len(run.step_inputs) else None
         tb = tb.tb_next
     return None
-
-
-def topological_order(nodes: onnx.GraphProto | Iterable[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
-    """Nodes ordered so each runs after its producers (stable for already-sorted graphs)."""
-    ready = set(available) | {""}
-    pending = list(nodes.node if isinstance(nodes, onnx.GraphProto) else nodes)
-    order: list[onnx.NodeProto] = []
-    while pending:
-        progressed = []
-        rest = []
-        for node in pending:
-            if all(n in ready for n in node_reads(node)):
-                progressed.append(node)
-                ready.update(node.output)
-            else:
-                rest.append(node)
-        if not progressed:
-            node = rest[0]
-            absent = [n for n in node_reads(node) if n not in ready]
-            raise ModelCheckError(
-                f"{node_label(node)} reads {absent}, which no node, input or initializer produces (or the graph has a cycle)"
-            )
-        order.extend(progressed)
-        pending = rest
-    return order
-
-
