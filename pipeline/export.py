@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import onnx
 
 import odt_ops
 from odt_ops.api import CheckpointState, Module
@@ -26,7 +25,7 @@ from odt_ops.export import apply_diff, load_diff, model_diff, save_diff
 from pipeline import training
 from pipeline.config import nest
 from pipeline.errors import DataError, PipelineError
-from pipeline.io import atomic_write_bytes, write_json
+from pipeline.io import write_json
 from pipeline.paths import Paths
 
 
@@ -43,12 +42,7 @@ def run(cfg, paths: Paths) -> dict:
     module = Module(gen / "training_model.onnx", state, gen / "eval_model.onnx")
     out = paths.out("export")
     target = out / "inference.onnx"
-    module.export_model_for_inferencing(target)
-    proto = onnx.load(str(target))
-    if proto.ir_version != cfg.export.ir_version:
-        proto.ir_version = cfg.export.ir_version
-        onnx.checker.check_model(proto, full_check=True)
-        atomic_write_bytes(target, proto.SerializeToString())
+    proto = training.export_inference(module, target, cfg.export.ir_version)
 
     splits = [training.load_split(paths, name) for name in ("user_holdout", "global_test")]
     x = np.concatenate([s.x for s in splits])

@@ -38,7 +38,7 @@ import numpy as np
 from pipeline import datasets, training
 from pipeline.config import nest
 from pipeline.errors import DataError
-from pipeline.io import atomic_write_bytes, atomic_write_text, write_json
+from pipeline.io import atomic_write_text, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NullRun
 
@@ -186,14 +186,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     CheckpointState.save_checkpoint(state, out / "checkpoint")
     module = Module(gen / "training_model.onnx", state, gen / "eval_model.onnx")
     target = out / "inference.onnx"
-    module.export_model_for_inferencing(target)
-    import onnx
-
-    proto = onnx.load(str(target))
-    if proto.ir_version != cfg.export.ir_version:
-        proto.ir_version = cfg.export.ir_version
-        onnx.checker.check_model(proto, full_check=True)
-        atomic_write_bytes(target, proto.SerializeToString())
+    training.export_inference(module, target, cfg.export.ir_version)
 
     # the last round's updates, as the clients sent them
     (out / "diffs").mkdir(parents=True, exist_ok=True)

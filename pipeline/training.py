@@ -255,3 +255,19 @@ def classification(logits: np.ndarray, y: np.ndarray, num_classes: int) -> dict:
     confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
     np.add.at(confusion, (y, pred), 1)
     return {"accuracy": float((pred == y).mean()), "loss": cross_entropy(logits, y), "confusion": confusion, "predicted": pred}
+
+
+def export_inference(module, target, ir_version: int):
+    """``module``'s inference model written to ``target`` at ``ir_version`` (what export and
+    federate ship); returns the model."""
+    import onnx
+
+    from pipeline.io import atomic_write_bytes
+
+    module.export_model_for_inferencing(target)
+    proto = onnx.load(str(target))
+    if proto.ir_version != ir_version:
+        proto.ir_version = ir_version
+        onnx.checker.check_model(proto, full_check=True)
+        atomic_write_bytes(target, proto.SerializeToString())
+    return proto
