@@ -21,6 +21,7 @@ from odt_ops.errors import GradientError, UnsupportedOpError
 from odt_ops.grad.coverage import NOT_DIFFERENTIABLE
 from odt_ops.grad.registry import GradContext, lookup_gradient
 from odt_ops.ir.builder import GraphBuilder
+from odt_ops.ir.control_flow import node_reads
 from odt_ops.ir.model import Model, default_opset
 from odt_ops.ir.order import topological_order
 from odt_ops.kernels import lookup
@@ -131,14 +132,14 @@ class _Walk:
         that carry such a dependency to a target."""
         active = set(self.wrt)
         for node in self.nodes:
-            if any(i in active for i in node.input):
+            if any(i in active for i in node_reads(node)):  # a subgraph's reads count: no silent zero gradient
                 active.update(o for o in node.output if o and self._maybe_float(o))
         wanted = set(targets)
         path = []
         for node in reversed(self.nodes):
             if any(o in wanted and o in active for o in node.output):
                 path.append(node)
-                wanted.update(i for i in node.input if i in active)
+                wanted.update(i for i in node_reads(node) if i in active)
         path.reverse()
         return active, path
 

@@ -174,7 +174,7 @@ def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
     serves every batch size; output shapes are then re-inferred."""
     if any(v.type.tensor_type.HasField("shape") and len(v.type.tensor_type.shape.dim) >= 2
            and v.type.tensor_type.shape.dim[0].dim_param != name for v in model.graph.input):
-        _resize_sizes_keep_batch(model)
+        _shapes_keep_batch(model)
     changed = False
     for value in model.graph.input:
         tt = value.type.tensor_type
@@ -195,15 +195,18 @@ def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
     return changed
 
 
-def _resize_sizes_keep_batch(model: Model) -> None:
-    """Exporters compute a Resize's ``sizes`` from the input's shape, so once folded they hold
-    the batch size the model was exported with; with a symbolic batch that would resize the
-    batch. Where ``sizes`` keeps the batch as it was, the Resize names its other axes instead
-    (the ``axes`` attribute, opset 18) and the batch passes through whatever its size."""
-    resizes = [n for n in model.graph.node if n.op_type == "Resize" and len(n.input) > 3 and n.input[3]]
+def _shapes_keep_batch(model: Model) -> None:
+    """Exporters bake the batch size a model was traced with into shape constants: a Resize's
+    ``sizes``, a Reshape's target (``x.view(x.size(0), -1)`` traces to ``[2, -1]``). Once the
+    batch is symbolic these would resize the batch, or fold it into another axis. Where such a
+    constant keeps its input's batch as it was, it stops naming it: the Resize names its other
+    axes instead (``axes``, opset 18) and the Reshape copies the batch (0 in its target)."""
     constants = {t.name: t for t in model.graph.initializer}
-    resizes = [n for n in resizes if n.input[3] in constants and not any(a.name == "axes" for a in n.attribute)]
-    if not resizes or model.opset < 18:
+    resizes = [n for n in model.graph.node if n.op_type == "Resize" and len(n.input) > 3 and n.input[3] in constants
+               and not any(a.name == "axes" for a in n.attribute) and model.opset >= 18]
+    reshapes = [n for n in model.graph.node if n.op_type == "Reshape" and n.input[1] in constants
+                and not any(a.name == "allowzero" and a.i for a in n.attribute)]
+    if not resizes and not reshapes:
         return
     try:
         inferred = onnx.shape_inference.infer_shapes(model.proto).graph
@@ -212,18 +215,30 @@ def _resize_sizes_keep_batch(model: Model) -> None:
     shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
               for v in (*inferred.input, *inferred.value_info) if v.type.tensor_type.HasField("shape")}
     taken = {t.name for t in model.graph.initializer}
+
+    def replace(node: onnx.NodeProto, index: int, value: np.ndarray, hint: str) -> None:
+        fresh = f"{node.input[index]}/{hint}"
+        while fresh in taken:
+            fresh += "_"
+        taken.add(fresh)
+        model.graph.initializer.append(numpy_helper.from_array(value.astype(np.int64), fresh))
+        node.input[index] = fresh
+
     for node in resizes:
         sizes = numpy_helper.to_array(constants[node.input[3]])
         shape = shapes.get(node.input[0])
         if shape is None or len(shape) != sizes.size or shape[0] is None or int(sizes[0]) != shape[0]:
             continue
-        fresh = f"{node.input[3]}/without_batch"
-        while fresh in taken:
-            fresh += "_"
-        taken.add(fresh)
-        model.graph.initializer.append(numpy_helper.from_array(sizes[1:].astype(np.int64), fresh))
-        node.input[3] = fresh
+        replace(node, 3, sizes[1:], "without_batch")
         node.attribute.append(onnx.helper.make_attribute("axes", list(range(1, sizes.size))))
+    for node in reshapes:
+        target = numpy_helper.to_array(constants[node.input[1]])
+        shape = shapes.get(node.input[0])
+        if shape is None or not shape or shape[0] is None or target.ndim != 1 or not target.size or int(target[0]) != shape[0]:
+            continue
+        copied = target.copy()
+        copied[0] = 0  # "copy the input's dim", whatever the batch
+        replace(node, 1, copied, "batch_copied")
     model.forget_arrays()
 
 

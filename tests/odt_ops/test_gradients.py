@@ -890,3 +890,18 @@ def test_gradient_graphs_run_in_onnxruntime(build):
     theirs = session.run(names, feeds)
     for name, a, b in zip(names, ours, theirs):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_parameter_read_only_inside_a_subgraph_is_on_the_gradient_path():
+    """An If whose branches read W by name (no input of the node) depends on W: left as a node
+    (not lowered at load), it is reported as lacking a rule, never given a silent zero gradient."""
+    from onnx import TensorProto
+
+    then_branch = helper.make_graph([helper.make_node("Mul", ["X", "W"], ["t"])], "then", [],
+                                    [helper.make_tensor_value_info("t", TensorProto.DOUBLE, [2, 2])])
+    else_branch = helper.make_graph([helper.make_node("Identity", ["X"], ["e"])], "else", [],
+                                    [helper.make_tensor_value_info("e", TensorProto.DOUBLE, [2, 2])])
+    model = make_model([node("If", ["C"], ["Y"], then_branch=then_branch, else_branch=else_branch)],
+                       {"X": np.ones((2, 2)), "W": np.ones((2, 2)), "C": np.array(True)})
+    with pytest.raises(UnsupportedOpError, match="If"):
+        build_gradients(model, "Y", ["W"])

@@ -218,3 +218,41 @@ def test_ir3_models_whose_initializers_are_graph_inputs_load_and_train(tmp_path)
                     tmp_path / "eval_model.onnx").eval()
     _, y = module(x, np.zeros_like(expected))
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("constant_folding", [True, False])
+def test_a_batch_traced_into_a_reshape_follows_the_batch_it_is_run_with(tmp_path, constant_folding):
+    """x.view(x.size(0), -1) exported without dynamic axes traces to Reshape(x, [2, -1]); once
+    the batch is symbolic the Reshape must copy the batch, so training at another batch size
+    computes what PyTorch computes (it used to fold the batch into the features)."""
+    torch = pytest.importorskip("torch", reason="PyTorch (the dev extra) is the oracle here")
+    import io
+    import warnings
+
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(1, 3, 3), torch.nn.Linear(3 * 6 * 6, 4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).view(x.size(0), -1))
+
+    torch.manual_seed(0)
+    net = Net()
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randn(2, 1, 8, 8),), buffer, input_names=["x"], output_names=["y"],
+                          do_constant_folding=constant_folding, dynamo=False)
+    artifacts.generate_artifacts(onnx.load_from_string(buffer.getvalue()), requires_grad=["conv.weight", "fc.weight"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    x, y = torch.randn(5, 1, 8, 8), torch.randint(0, 4, (5,))
+    loss = Module(tmp_path / "training_model.onnx", state)(x.numpy(), y.numpy())
+    want = torch.nn.functional.cross_entropy(net(x), y)
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    np.testing.assert_allclose(state.parameters["fc.weight"].grad, net.fc.weight.grad.numpy(), rtol=1e-4, atol=1e-6)
