@@ -9,7 +9,7 @@ every ``batch()`` the same data. Dropout is 0 everywhere: randomness never enter
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,12 +24,14 @@ class Architecture:
     batch: Callable[[np.random.Generator], tuple[list[np.ndarray], np.ndarray]]  # (user inputs, labels)
     input_names: tuple[str, ...]
     loss: str = "ce"  # "ce": mean cross-entropy on logits; "mse": mean squared error
-    # "13", "17": the TorchScript exporter at that opset; "dynamo": the dynamo exporter (batch axis
-    # dynamic); "dynamo-unoptimized": the same with optimize=False
+    # "13", "17": the TorchScript exporter at that opset, as ONNX Runtime's training docs export
+    # (TrainingMode.TRAINING, do_constant_folding=False); "17-folded": with the exporter's default
+    # constant folding (weights renamed, recurrent gates reordered, reshaped copies); "dynamo":
+    # the dynamo exporter, batch axis dynamic; "dynamo-unoptimized": the same with optimize=False
     exporters: tuple[str, ...] = ("17",)
     slow: bool = False
-    notes: str = ""
-    extra: dict = field(default_factory=dict)
+    ops: frozenset[str] = frozenset()  # what its TorchScript export at opset 17 must contain: what the case is about
+    sequence_lens: bool = False  # its recurrent node is given per-sample lengths
 
     def build(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
@@ -242,6 +244,7 @@ class GPTLike(nn.Module):
         super().__init__()
         self.vocab = vocab
         self.tokens = nn.Embedding(vocab, dim)
+        nn.init.normal_(self.tokens.weight, std=0.1)  # small, as GPT-2's 0.02: tied logits stay moderate
         self.pos = nn.Parameter(torch.randn(1, length, dim) * 0.1)
         self.layers = nn.ModuleList(nn.TransformerEncoderLayer(dim, 4, 32, dropout=0.0, activation="gelu", batch_first=True,
                                                                norm_first=True) for _ in range(2))
@@ -358,16 +361,28 @@ class TCN(nn.Module):
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("lstm_bidirectional", LSTMClassifier, _sequence_batch, ("x",), exporters=("17", "13", "dynamo")),
-    Architecture("gru_lengths", GRULengths, _lengths_batch, ("x", "lengths"), exporters=("17", "13")),
-    Architecture("keyword_spotter", KeywordSpotter, lambda rng: ([_normal(rng, 4, 10, 24)], _labels(rng, 6, 4)), ("x",)),
-    Architecture("mobilenetv3", MobileNetV3ish, _image_batch, ("x",), exporters=("17", "13", "dynamo-unoptimized")),
-    Architecture("efficientnet", EfficientNetish, _image_batch, ("x",)),
-    Architecture("vit", ViT, _image_batch, ("x",), exporters=("17", "dynamo")),
-    Architecture("bert", BertLike, _bert_batch, ("ids", "padding"), exporters=("17", "dynamo")),
-    Architecture("gpt", GPTLike, _gpt_batch, ("ids",)),
-    Architecture("recommender", Recommender, _recommender_batch, ("user", "items", "offsets")),
-    Architecture("unet", UNet, _unet_batch, ("x",), exporters=("17", "13")),
-    Architecture("autoencoder", AutoEncoder, _autoencoder_batch, ("x",), loss="mse"),
-    Architecture("tcn", TCN, lambda rng: ([_normal(rng, 4, 4, 32)], _labels(rng, 3, 4)), ("x",)),
+    Architecture("lstm_bidirectional", LSTMClassifier, _sequence_batch, ("x",), exporters=("17", "13", "17-folded", "dynamo"),
+                 ops=frozenset({"LSTM"})),
+    Architecture("gru_lengths", GRULengths, _lengths_batch, ("x", "lengths"), exporters=("17", "13", "17-folded"),
+                 ops=frozenset({"GRU"}), sequence_lens=True),
+    Architecture("keyword_spotter", KeywordSpotter, lambda rng: ([_normal(rng, 4, 10, 24)], _labels(rng, 6, 4)), ("x",),
+                 ops=frozenset({"Conv", "BatchNormalization"})),
+    Architecture("mobilenetv3", MobileNetV3ish, _image_batch, ("x",), exporters=("17", "13", "dynamo-unoptimized"),
+                 ops=frozenset({"HardSwish", "HardSigmoid", "BatchNormalization"})),
+    Architecture("efficientnet", EfficientNetish, _image_batch, ("x",),
+                 ops=frozenset({"Sigmoid", "Mul", "BatchNormalization"})),
+    Architecture("vit", ViT, _image_batch, ("x",), exporters=("17", "dynamo"),
+                 ops=frozenset({"LayerNormalization", "Softmax", "Erf", "Mod"})),
+    Architecture("bert", BertLike, _bert_batch, ("ids", "padding"), exporters=("17", "dynamo"),
+                 ops=frozenset({"Gather", "Where", "Softmax", "Mod"})),
+    Architecture("gpt", GPTLike, _gpt_batch, ("ids",),
+                 ops=frozenset({"Gather", "Trilu", "Softmax"})),
+    Architecture("recommender", Recommender, _recommender_batch, ("user", "items", "offsets"),
+                 ops=frozenset({"Loop"})),
+    Architecture("unet", UNet, _unet_batch, ("x",), exporters=("17", "13", "17-folded"),
+                 ops=frozenset({"ConvTranspose", "Resize", "InstanceNormalization", "MaxPool"})),
+    Architecture("autoencoder", AutoEncoder, _autoencoder_batch, ("x",), loss="mse",
+                 ops=frozenset({"ConvTranspose", "Sigmoid"})),
+    Architecture("tcn", TCN, lambda rng: ([_normal(rng, 4, 4, 32)], _labels(rng, 3, 4)), ("x",),
+                 ops=frozenset({"Pad", "Conv"})),
 )}
