@@ -5,6 +5,12 @@ initial weights, so every peer trains the same function on the same data.
 A zoo configuration takes one of the networks the onnx wheel ships instead (normalized
 by odt_ops, seeded weights, logits instead of the final Softmax, any batch); PyTorch
 then runs the same ONNX graph node by node with torch.nn.functional.
+
+A torch configuration names a network defined in torch.nn (workers/torch_graph.py,
+NETWORKS): seeded, exported as a user would for on-device training (the TorchScript
+exporter, training mode, no constant folding, a dynamic batch axis); odt and ONNX Runtime
+train that export, PyTorch the network itself with the exported weights. Preparing one
+needs torch in the driver's environment.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 # ONNX Runtime training 1.19.2 reads opset 21 and IR version 10 (onnx 1.17's newest)
 OPSET = 21
 IR_VERSION = 10
+TORCH_EXPORT_OPSET = 17  # a torch configuration's export (the TorchScript exporter's usual opset)
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class Config:
     default: bool = True  # part of the default run
     zoo: str | None = None  # one of the onnx wheel's light zoo models, instead of layers
     batches: tuple[int, ...] | None = None  # its own batches, used unless --batches is given
+    torch: str | None = None  # a network of workers/torch_graph.py's NETWORKS, instead of layers
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -61,12 +69,20 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
            frozen=("fc0.weight", "fc0.bias", "fc1.weight", "fc1.bias")),
     Config("resnet50", "ResNet-50 (the onnx wheel's zoo model, seeded weights) on 3x224x224, AdamW", (), (3, 224, 224),
            "AdamW", 1e-3, classes=1000, zoo="resnet50", batches=(4,), default=False),
+    Config("lstm-adamw", "nn.LSTM(16, 64) over 20 steps, last state to 10 classes (torch-defined, exported), AdamW", (),
+           (20, 16), "AdamW", 1e-3, torch="lstm", batches=(16, 64), default=False),
+    Config("mobilenetv3-adamw", "MobileNetV3-small-like (depthwise, SE, HardSwish, BatchNorm) on 3x32x32 "
+           "(torch-defined, exported), AdamW", (), (3, 32, 32), "AdamW", 1e-3, torch="mobilenetv3", batches=(16, 64),
+           default=False),
+    Config("transformer-adamw", "2 x nn.TransformerEncoderLayer(64, 4 heads, ff 128) over 16 frames of 32 features "
+           "(torch-defined, exported), AdamW", (), (16, 32), "AdamW", 1e-3, torch="transformer", batches=(16, 64),
+           default=False),
 )}
 
 
 def parameter_names(config: Config, model: onnx.ModelProto | None = None) -> list[str]:
     """Every trainable or frozen parameter: float initializers, less BatchNormalization statistics."""
-    if config.zoo is None:
+    if config.zoo is None and config.torch is None:
         return [f"{layer['name']}.{p}" for layer in config.layers if "name" in layer for p in ("weight", "bias")]
     model = forward_model(config) if model is None else model
     stats = {n.input[i] for n in model.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)}
@@ -98,6 +114,8 @@ def forward_model(config: Config, weights: dict[str, np.ndarray] | None = None) 
     """The forward-only ONNX model ('input' -> 'output' logits), as a user would export it."""
     if config.zoo is not None:
         return zoo_model(config)
+    if config.torch is not None:
+        return torch_model(config)
     weights = initial_weights(config) if weights is None else weights
     nodes, x = [], "input"
     for i, layer in enumerate(config.layers):
@@ -172,6 +190,37 @@ def zoo_model(config: Config) -> onnx.ModelProto:
         if array.dtype == np.float32:
             t.CopyFrom(numpy_helper.from_array(_seeded(rng, array.shape, roles.get(t.name, "positive")), t.name))
     model.ir_version = IR_VERSION
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def torch_model(config: Config) -> onnx.ModelProto:
+    """The torch configuration's network, seeded, exported as ONNX Runtime's training docs
+    export (TrainingMode.TRAINING, do_constant_folding=False: every parameter and BatchNorm
+    statistic stays an initializer under its state_dict name), batch axis dynamic."""
+    import io
+    import warnings
+
+    import torch
+
+    from odt_ops.benchmark.workers.torch_graph import torch_network
+
+    torch.manual_seed(config.seed)
+    module = torch_network(config.torch)
+    x = torch.randn(2, *config.input_shape)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), buffer, dynamo=False, opset_version=TORCH_EXPORT_OPSET, input_names=["input"],
+                          output_names=["output"], dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    model = onnx.load_from_string(buffer.getvalue())
+    model.graph.name = config.name
+    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    state = {k: tuple(v.shape) for k, v in module.state_dict().items() if v.is_floating_point()}
+    wrong = sorted(k for k, shape in state.items() if shapes.get(k) != shape)
+    if wrong:  # the torch worker loads the initializers as the network's state_dict
+        raise ValueError(f"config {config.name}: the export does not keep {wrong} as initializers of their shape")
     onnx.checker.check_model(model, full_check=True)
     return model
 

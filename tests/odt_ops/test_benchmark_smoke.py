@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from odt_ops.benchmark.report import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,3 +53,22 @@ def test_tiny_benchmark_run_writes_the_documented_json(tmp_path):
             assert res["first_loss_rel_spread"] < 1e-4
             assert all(res["ratios"]["odt/ort-inf"][m] > 0 for m in METRICS)
     assert "train step" in proc.stdout and "ort-training: missing" in proc.stdout
+
+
+@pytest.mark.slow
+def test_torch_defined_configurations_start_every_peer_from_the_same_loss(tmp_path):
+    """The recurrent, MobileNetV3-like and transformer configurations are torch.nn networks: the
+    driver exports them for odt, PyTorch trains the network itself with the exported weights."""
+    pytest.importorskip("torch")
+    out = tmp_path / "bench.json"
+    names = ["lstm-adamw", "mobilenetv3-adamw", "transformer-adamw"]
+    cmd = [sys.executable, "-m", "odt_ops.benchmark", "--configs", *names, "--batches", "3", "--steps", "2", "--warmup", "1",
+           "--eval-steps", "1", "--repeats", "1", "--peers", "odt,torch", "--json", str(out), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert [(r["config"], r["batch"]) for r in doc["results"]] == [(n, 3) for n in names]
+    for res in doc["results"]:
+        assert {p: res["peers"][p]["status"] for p in ("odt", "torch")} == {"odt": "ok", "torch": "ok"}, res["peers"]
+        assert res["first_loss_rel_spread"] < 1e-5, res["config"]
+        assert res["ratios"]["odt/torch"]["train_ms"] > 0

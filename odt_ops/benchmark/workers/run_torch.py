@@ -1,5 +1,6 @@
 """PyTorch eager: the same layers as torch.nn modules with the same initial weights (a
-zoo network: its ONNX graph run with torch.nn.functional, see torch_graph.py),
+zoo network: its ONNX graph run with torch.nn.functional; a torch configuration: its
+torch.nn network with the exported weights; see torch_graph.py),
 mean cross-entropy, torch.optim.AdamW (onnxruntime's defaults: eps 1e-6, no weight
 decay) or plain torch.optim.SGD, zero_grad() as the gradient reset; one thread."""
 import time
@@ -50,7 +51,11 @@ class Session:
         config = job["config"]
         with np.load(job["weights"]) as w:
             weights = {k: w[k] for k in w.files}
-        if config["zoo"]:  # the zoo network's own ONNX graph, node by node
+        if config.get("torch"):  # defined in torch.nn; the other peers train its export
+            from torch_graph import torch_network
+
+            self.model = torch_network(config["torch"], weights)
+        elif config["zoo"]:  # the zoo network's own ONNX graph, node by node
             import json
 
             from torch_graph import GraphModule

@@ -1,8 +1,16 @@
-"""A zoo configuration's ONNX graph run by PyTorch node by node with torch.nn.functional,
+"""PyTorch's side of the configurations that are not a layer list.
+
+A zoo configuration's ONNX graph run by PyTorch node by node with torch.nn.functional,
 so PyTorch trains exactly the network odt and ONNX Runtime train (same weights, same
 BatchNormalization statistics). Covers the ops of the onnx wheel's ResNet-50; any other
 op fails with its name. The graph arrives as JSON (the driver writes it), so this
-worker needs no onnx."""
+worker needs no onnx.
+
+A torch configuration's network, defined here in torch.nn (NETWORKS): the driver
+exports it to the forward ONNX model (configs.torch_model) and the torch worker builds
+it again with the exported initializers as its state_dict, so every peer starts from
+the same weights. This module imports only torch: the driver imports it as
+odt_ops.benchmark.workers.torch_graph, the worker by path."""
 from __future__ import annotations
 
 import torch
@@ -89,3 +97,102 @@ class GraphModule(torch.nn.Module):
         if a.get("transA") or a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0:
             raise NotImplementedError("Gemm with transA, alpha or beta")
         return F.linear(x, w, b) if a.get("transB") else torch.addmm(b, x, w) if b is not None else x @ w
+
+
+# ---- torch-defined networks (configs.Config.torch names one) -----------------------------------
+
+class LSTMClassifier(torch.nn.Module):
+    """A sequence of 20 frames of 16 features, one LSTM layer of 64, the last step's state into 10 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(16, 64, batch_first=True)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.head(y[:, -1])
+
+
+class SqueezeExcite(torch.nn.Module):
+    def __init__(self, channels: int, squeezed: int):
+        super().__init__()
+        self.reduce = torch.nn.Conv2d(channels, squeezed, 1)
+        self.expand = torch.nn.Conv2d(squeezed, channels, 1)
+
+    def forward(self, x):
+        return x * F.hardsigmoid(self.expand(F.relu(self.reduce(F.adaptive_avg_pool2d(x, 1)))))
+
+
+class InvertedResidual(torch.nn.Module):
+    """MobileNetV3's block: expand 1x1, depthwise 3x3, squeeze-excitation, project 1x1; BatchNorm, HardSwish."""
+
+    def __init__(self, c_in: int, expanded: int, c_out: int, stride: int):
+        super().__init__()
+        self.expand = torch.nn.Conv2d(c_in, expanded, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(expanded)
+        self.dw = torch.nn.Conv2d(expanded, expanded, 3, stride=stride, padding=1, groups=expanded, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(expanded)
+        self.se = SqueezeExcite(expanded, expanded // 4)
+        self.project = torch.nn.Conv2d(expanded, c_out, 1, bias=False)
+        self.bn3 = torch.nn.BatchNorm2d(c_out)
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x):
+        y = F.hardswish(self.bn1(self.expand(x)))
+        y = self.se(F.hardswish(self.bn2(self.dw(y))))
+        y = self.bn3(self.project(y))
+        return x + y if self.residual else y
+
+
+class MobileNetV3Small(torch.nn.Module):
+    """A MobileNetV3-small-like network for 3x32x32 images: stem, four inverted residuals, 1x1, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(16)
+        self.blocks = torch.nn.Sequential(InvertedResidual(16, 64, 24, 2), InvertedResidual(24, 72, 24, 1),
+                                          InvertedResidual(24, 96, 40, 2), InvertedResidual(40, 120, 40, 1))
+        self.last = torch.nn.Conv2d(40, 128, 1)
+        self.head = torch.nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = self.blocks(F.hardswish(self.bn(self.stem(x))))
+        return self.head(F.hardswish(self.last(F.adaptive_avg_pool2d(x, 1))).flatten(1))
+
+
+class TransformerClassifier(torch.nn.Module):
+    """16 frames of 32 features projected to 64, learned positions, two nn.TransformerEncoderLayer
+    (4 heads, feed-forward 128, no dropout), mean over time, 10 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(32, 64)
+        self.pos = torch.nn.Parameter(torch.randn(1, 16, 64) * 0.1)
+        self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = self.embed(x) + self.pos
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(1))
+
+
+NETWORKS = {"lstm": LSTMClassifier, "mobilenetv3": MobileNetV3Small, "transformer": TransformerClassifier}
+
+
+def torch_network(name: str, weights: dict | None = None) -> torch.nn.Module:
+    """NETWORKS[name] in training mode; ``weights`` (numpy arrays by state_dict name, e.g. the
+    exported model's initializers) replace every floating-point tensor of its state_dict."""
+    module = NETWORKS[name]()
+    if weights is not None:
+        state = module.state_dict()
+        missing = [k for k, v in state.items() if v.is_floating_point() and k not in weights]
+        if missing:
+            raise KeyError(f"torch network {name!r}: the weights lack {missing}")
+        module.load_state_dict({k: torch.from_numpy(weights[k].copy()) if v.is_floating_point() else v
+                                for k, v in state.items()})
+    return module.train()
