@@ -54,13 +54,7 @@ EPS = 1e-6  # odt's AdamW default (ONNX Runtime's); torch.optim.AdamW is given t
 
 # (architecture, exporter) -> why it cannot train yet: the exact error, strict, so the test
 # fails (and the mark must go) the moment the engine learns it
-XFAIL: dict[tuple[str, str], str] = {
-    # nn.EmbeddingBag exports a Loop whose body reads an outer-scope initializer (control flow)
-    ("recommender", "17"): "ModelCheckError: <in-memory model>: shape inference failed: [ShapeInferenceError] Inference "
-                           "error(s): (op_type:Loop, node name: /items/Loop): [ShapeInferenceError] Inference error(s): "
-                           "(op_type:Gather, node name: /items/Gather_4): [TypeInferenceError] Input 0 expected to have "
-                           "type but instead is null",
-}
+XFAIL: dict[tuple[str, str], str] = {}  # none today: the EmbeddingBag recommender (Loop) trains since control flow landed
 
 
 @pytest.fixture(autouse=True)
