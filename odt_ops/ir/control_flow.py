@@ -171,14 +171,9 @@ def _concat_built_sequences(model: Model) -> bool:
         changed = True
     if changed:
         from odt_ops.ir.order import topological_order
+        from odt_ops.ir.passes import replace_nodes
 
-        ordered = topological_order(graph.node, {i.name for i in graph.input} | {t.name for t in graph.initializer})
-        kept = [onnx.NodeProto() for _ in ordered]
-        for dst, src in zip(kept, ordered):
-            dst.CopyFrom(src)
-        del graph.node[:]
-        graph.node.extend(kept)
-        model.forget_arrays()
+        replace_nodes(model, topological_order(graph.node, {i.name for i in graph.input} | {t.name for t in graph.initializer}))
     return changed
 
 

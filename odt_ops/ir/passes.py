@@ -66,7 +66,7 @@ def inline_constant_nodes(model: Model) -> bool:
         else:
             keep.append(node)
     if changed:
-        _replace_nodes(model, keep)
+        replace_nodes(model, keep)
     return changed
 
 
@@ -113,7 +113,7 @@ def fold_constants(model: Model) -> bool:
         if name in used:
             graph.initializer.append(numpy_helper.from_array(const[name], name))
             model.derived.add(name)
-    _replace_nodes(model, keep)
+    replace_nodes(model, keep)
     prune_unused(model)
     return True
 
@@ -311,7 +311,7 @@ def prune_unused(model: Model) -> bool:
     inits = [t for t in graph.initializer if t.name in needed]
     changed = len(live) != len(graph.node) or len(inits) != len(graph.initializer)
     if changed:
-        _replace_nodes(model, live)
+        replace_nodes(model, live)
         del graph.initializer[:]
         graph.initializer.extend(inits)
         model.forget_arrays()
@@ -331,7 +331,8 @@ def require_kernels(model: Model) -> bool:
     return False
 
 
-def _replace_nodes(model: Model, nodes: list[onnx.NodeProto]) -> None:
+def replace_nodes(model: Model, nodes: list[onnx.NodeProto]) -> None:
+    """Make ``nodes`` (copied: they may be the graph's own) the graph's nodes."""
     kept = [onnx.NodeProto() for _ in nodes]
     for dst, src in zip(kept, nodes):
         dst.CopyFrom(src)

@@ -32,6 +32,7 @@ from odt_ops.errors import ModelCheckError
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.model import Model
+from odt_ops.ir.passes import replace_nodes
 
 RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -84,12 +85,7 @@ def unroll_recurrent(model: Model) -> bool:
     else:
         graph.initializer.extend(b.initializers)
         model.derived.update(t.name for t in b.initializers)
-    kept = [onnx.NodeProto() for _ in nodes]
-    for dst, src in zip(kept, nodes):
-        dst.CopyFrom(src)
-    del graph.node[:]
-    graph.node.extend(kept)
-    model.forget_arrays()
+    replace_nodes(model, nodes)
     return True
 
 

@@ -54,6 +54,19 @@ def _loss_on_top(base_block, loss):
 CrossEntropyTraining = _loss_on_top(onnxblock.TrainingBlock, onnxblock.loss.CrossEntropyLoss)
 
 
+def _built(net, x, trained, frozen=()):
+    """A CrossEntropyTraining block built on ``net``'s export, ``trained`` marked to train."""
+    block = CrossEntropyTraining()
+    for name in trained:
+        block.requires_grad(name)
+    for name in frozen:
+        block.requires_grad(name, False)
+    base = _export(net, x)
+    with onnxblock.base(base):
+        block(base.graph.output[0].name)
+    return block
+
+
 @pytest.fixture
 def net_and_data():
     torch.manual_seed(0)
@@ -70,12 +83,7 @@ def _ort(model: onnx.ModelProto) -> ort.InferenceSession:
 
 def test_a_custom_training_block_gives_pytorch_gradients_with_ort_accumulation(net_and_data):
     net, x, y, want_loss = net_and_data
-    block = CrossEntropyTraining()
-    for name, _ in net.named_parameters():
-        block.requires_grad(name)
-    base = _export(net, x)
-    with onnxblock.base(base):
-        block(base.graph.output[0].name)
+    block = _built(net, x, [name for name, _ in net.named_parameters()])
     training, evaluation = block.to_model_proto()
     trainable, frozen = block.parameters()
     assert [t.name for t in trainable] == [n for n, _ in net.named_parameters()] and not frozen
@@ -102,14 +110,7 @@ def test_a_custom_training_block_gives_pytorch_gradients_with_ort_accumulation(n
 
 def test_a_custom_training_block_trains_in_our_module_from_its_onnxblock_checkpoint(tmp_path, net_and_data):
     net, x, y, want_loss = net_and_data
-    block = CrossEntropyTraining()
-    for name in ("fc2.weight", "fc2.bias"):
-        block.requires_grad(name)
-    block.requires_grad("fc1.weight", False)
-    block.requires_grad("fc1.bias", False)
-    base = _export(net, x)
-    with onnxblock.base(base):
-        block(base.graph.output[0].name)
+    block = _built(net, x, ["fc2.weight", "fc2.bias"], frozen=["fc1.weight", "fc1.bias"])
     training, evaluation = block.to_model_proto()
     onnx.save(training, tmp_path / "training_model.onnx")
     onnx.save(evaluation, tmp_path / "eval_model.onnx")
@@ -134,12 +135,7 @@ def test_a_custom_training_block_trains_in_our_module_from_its_onnxblock_checkpo
 
 def test_load_checkpoint_to_model_writes_the_trained_values_into_the_forward_model(tmp_path, net_and_data):
     net, x, _, _ = net_and_data
-    block = CrossEntropyTraining()
-    for name, _ in net.named_parameters():
-        block.requires_grad(name)
-    base = _export(net, x)
-    with onnxblock.base(base):
-        block(base.graph.output[0].name)
+    block = _built(net, x, [name for name, _ in net.named_parameters()])
     onnxblock.save_checkpoint(block.parameters(), tmp_path / "checkpoint")
     with torch.no_grad():
         zeroed = TwoLayer()
@@ -229,13 +225,7 @@ def test_a_training_block_can_ask_for_the_gradient_of_an_input(net_and_data):
     """requires_grad on a graph input (saliency, adversarial examples): its gradient is an output,
     with ONNX Runtime's accumulation names, equal to torch's x.grad."""
     net, x, y, _ = net_and_data
-    block = CrossEntropyTraining()
-    block.requires_grad("fc2.weight")
-    block.requires_grad("x")
-    base = _export(net, x)
-    with onnxblock.base(base):
-        block(base.graph.output[0].name)
-    training, _ = block.to_model_proto()
+    training, _ = _built(net, x, ["fc2.weight", "x"]).to_model_proto()
     assert "x_grad.accumulation.buffer" in {i.name for i in training.graph.input}
     feeds = {"x": x.numpy(), training.graph.input[1].name: y.numpy(), "lazy_reset_grad": np.array([True]),
              "x_grad.accumulation.buffer": np.zeros_like(x.numpy()), "fc2.weight_grad.accumulation.buffer": np.zeros((3, 8), np.float32)}
