@@ -57,13 +57,7 @@ EPS = 1e-6  # odt's AdamW default (ONNX Runtime's); torch.optim.AdamW is given t
 XFAIL: dict[tuple[str, str], str] = {}  # none today: the EmbeddingBag recommender (Loop) trains since control flow landed
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models: torch is fastest, and CI least contended, on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def export(arch: Architecture, how: str) -> onnx.ModelProto:

@@ -291,13 +291,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """torch's tiny recurrent kernels are slowest when threads contend for the CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Classifier(nn.Module):
