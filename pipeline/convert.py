@@ -1,4 +1,4 @@
-"""Stage 2, convert: the model source to one normalized, forward-only ONNX model.
+"""convert: the model source to one normalized, forward-only ONNX model.
 
 Sources (``model.source``):
 
@@ -24,27 +24,74 @@ import inspect
 import io
 import sys
 import warnings
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 import onnx
 
 import odt_ops
 from pipeline import models
-from pipeline.config import Arch, ModelSource
+from pipeline.config import MISSING, Section
 from pipeline.errors import DataError, ModelSourceError
 from pipeline.io import load_npz, write_json
 from pipeline.paths import Paths
+from pipeline.tracking import NullRun
 
 ZOO_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 SAMPLE = 8  # samples run through the model to check it fits the data
 
 
-def run(cfg, paths: Paths) -> dict:
+class ModelSource(Enum):
+    builtin = "builtin"
+    onnx = "onnx"
+    torch = "torch"
+
+
+class Arch(Enum):
+    mlp = "mlp"
+    cnn = "cnn"
+
+
+@dataclass
+class ModelConfig(Section):
+    """Each conf/model option sets ``source`` and the keys of that source; the others stay
+    null (not applicable, not defaults)."""
+
+    source: ModelSource = MISSING
+    arch: Optional[Arch] = None
+    hidden: Optional[list[int]] = None
+    channels: Optional[list[int]] = None
+    kernel_size: Optional[int] = None
+    path: Optional[str] = None
+    torch_class: Optional[str] = None
+    torch_kwargs: Optional[dict[str, Any]] = None
+
+    def check(self) -> None:
+        if self.source is ModelSource.builtin:
+            self.need(self.arch is not None, "arch", f"one of {', '.join(a.value for a in Arch)} when model.source=builtin")
+            self.need(all(h >= 1 for h in self.hidden or []), "hidden", "a list of positive layer widths")
+            self.need(all(c >= 1 for c in self.channels or []), "channels", "a list of positive channel counts")
+            if self.arch is Arch.cnn:
+                self.need(bool(self.channels), "channels", "at least one channel count for arch=cnn")
+                self.need(self.kernel_size is not None and self.kernel_size >= 1 and self.kernel_size % 2 == 1, "kernel_size",
+                          "an odd integer >= 1")
+        elif self.source is ModelSource.onnx:
+            self.need(bool(self.path), "path", "a path to an .onnx file (relative to the repository) or zoo:<name> when model.source=onnx")
+        elif self.source is ModelSource.torch:
+            self.need(bool(self.torch_class) and ":" in self.torch_class, "torch_class", "'package.module:Class' when model.source=torch")
+
+
+CONFIG = {"model": ModelConfig}
+
+
+def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     model = odt_ops.load_model(source_model(cfg, paths))
     check_fits_data(model, cfg, paths)
     out = paths.out("convert")
-    odt_ops.save_model(model, out / "base.onnx")
+    odt_ops.save_model(model, paths.base_model)
     summary = describe(model)
     summary["source"] = describe_source(cfg)
     write_json(out / "model.json", summary)
@@ -57,8 +104,8 @@ def source_model(cfg, paths: Paths) -> onnx.ModelProto | Path:
     if m.source is ModelSource.builtin:
         try:
             if m.arch is Arch.mlp:
-                return models.mlp(list(d.input_shape), d.num_classes, list(m.hidden), cfg.seed)
-            return models.cnn(list(d.input_shape), d.num_classes, list(m.channels), m.kernel_size, list(m.hidden), cfg.seed)
+                return models.mlp(list(d.input_shape), d.num_classes, list(m.hidden or []), cfg.seed)
+            return models.cnn(list(d.input_shape), d.num_classes, list(m.channels), m.kernel_size, list(m.hidden or []), cfg.seed)
         except ValueError as exc:
             raise ModelSourceError(f"model.arch={m.arch.value}: {exc}") from None
     if m.source is ModelSource.onnx:
@@ -102,7 +149,7 @@ def torch_model(cfg) -> onnx.ModelProto:
     if cls is None:
         raise ModelSourceError(f"model.torch_class={m.torch_class}: module {module_name!r} has no {class_name!r}")
     torch.manual_seed(cfg.seed)
-    kwargs = dict(m.torch_kwargs)
+    kwargs = dict(m.torch_kwargs or {})
     try:
         net = cls(**kwargs)
     except TypeError as exc:
@@ -194,8 +241,8 @@ def _name(cfg) -> str:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("convert", run, argv, artifacts=["base.onnx", "model.json"])
+    return stage_main("convert", run, argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

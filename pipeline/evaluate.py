@@ -1,4 +1,4 @@
-"""Stage 6, evaluate: the base model (pretrain's) against the personalized one (train's
+"""evaluate: the base model (pretrain's) against the personalized one (train's
 checkpoint in generate's eval model, through odt_ops.api.Module in eval mode) on the
 user's holdout (did personalization pay off?) and on the global test set (what did
 it forget?).
@@ -13,33 +13,52 @@ Outputs (data/evaluate/):
 """
 from __future__ import annotations
 
+import importlib
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import odt_ops
 from odt_ops.api import CheckpointState, Module
 from pipeline import training
-from pipeline.config import flatten
+from pipeline.config import MISSING, Section
 from pipeline.errors import DataError
-from pipeline.io import write_json
+from pipeline.io import flatten, write_json
 from pipeline.paths import Paths
+from pipeline.tracking import NullRun
 
 SPLITS = ("user_holdout", "global_test")
 MODELS = ("base", "personalized")
 
 
-def run(cfg, paths: Paths) -> dict:
+@dataclass
+class EvaluateConfig(Section):
+    batch_size: int = MISSING
+
+    def check(self) -> None:
+        self.need(self.batch_size >= 1, "batch_size", "an integer >= 1")
+
+
+CONFIG = {"evaluate": EvaluateConfig}
+
+
+def confusion(paths: Paths, model: str) -> Path:
+    """The holdout's ``{actual, predicted}`` rows of ``model`` (base or personalized)."""
+    return paths.out("evaluate") / f"confusion_{model}.json"
+
+
+def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     gen = training.generated(paths)
     base_path = paths.pretrained_model
-    ckpt = paths.out("train") / "checkpoint"
+    ckpt = paths.trained_checkpoint
     for path, stage in ((base_path, "pretrain"), (ckpt, "train")):
         if not path.is_file():
             raise DataError(f"{paths.show(path)}: {stage}'s output not found; run the pipeline from the start (dvc repro)")
-    encode = training.target_encoder(gen / "eval_model.onnx")
+    encode = training.target_encoder(gen.eval_model)
     base = odt_ops.InferenceSession(base_path)
     (inp,) = base.input_names()
-    module = Module(gen / "training_model.onnx", CheckpointState.load_checkpoint(ckpt), gen / "eval_model.onnx")
+    module = Module(gen.training_model, CheckpointState.load_checkpoint(ckpt), gen.eval_model)
     module.eval()
     predict = {
         "base": lambda x, t: base.run(None, {inp: x})[0],
@@ -48,10 +67,9 @@ def run(cfg, paths: Paths) -> dict:
     bs = cfg.evaluate.batch_size
     n = cfg.data.num_classes
     results: dict = {}
-    out = paths.out("evaluate")
     for name in SPLITS:
         split = training.load_split(paths, name)
-        training.check_fits(split, gen / "eval_model.onnx", paths)
+        training.check_fits(split, gen.eval_model, paths)
         t = encode(split.y)
         results[name] = {"n": len(split)}
         for model in MODELS:
@@ -59,11 +77,11 @@ def run(cfg, paths: Paths) -> dict:
             results[name][model] = {"accuracy": r["accuracy"], "loss": r["loss"]}
             if name == "user_holdout":
                 rows = [{"actual": int(a), "predicted": int(p)} for a, p in zip(split.y, r["predicted"])]
-                write_json(out / f"confusion_{model}.json", rows)
+                write_json(confusion(paths, model), rows)
     h, g = results["user_holdout"], results["global_test"]
     results["personalization_gain"] = h["personalized"]["accuracy"] - h["base"]["accuracy"]
     results["forgetting"] = g["base"]["accuracy"] - g["personalized"]["accuracy"]
-    write_json(out / "metrics.json", results)
+    write_json(paths.metrics("evaluate"), results)
     return {k: v for k, v in flatten(results).items() if not k.endswith(".n")}
 
 
@@ -80,12 +98,11 @@ def after(cfg, paths: Paths, tracker) -> None:
 
     from pipeline import plots
 
-    out = paths.out("evaluate")
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads(paths.metrics("evaluate").read_text())
     tracker.log_parent_metrics({k: v for k, v in flatten(metrics).items() if not k.endswith(".n")})
     if plots.available():
         with tempfile.TemporaryDirectory(prefix="odt-plots-") as tmp:
-            matrices = [(m, plots.confusion_from_rows(out / f"confusion_{m}.json", cfg.data.num_classes)) for m in MODELS]
+            matrices = [(m, plots.confusion_from_rows(confusion(paths, m), cfg.data.num_classes)) for m in MODELS]
             png = plots.confusion(matrices, Path(tmp) / "confusion_user_holdout.png", "the user's holdout: base vs personalized")
             tracker.log_artifact(png, "plots")
 
@@ -93,9 +110,8 @@ def after(cfg, paths: Paths, tracker) -> None:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("evaluate", run, argv, artifacts=["metrics.json", "confusion_base.json", "confusion_personalized.json"],
-                      after=after, describe=summary, datasets={"user_holdout": "evaluation", "global_test": "evaluation"})
+    return stage_main("evaluate", run, argv, after=after, describe=summary, datasets={"user_holdout": "evaluation", "global_test": "evaluation"})
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

@@ -1,4 +1,4 @@
-"""Stage 7, export: what leaves the device.
+"""export: what leaves the device.
 
 - ``inference.onnx``: the personalized model as a plain forward ONNX model
   (Module.export_model_for_inferencing: the eval graph without loss and labels, the
@@ -14,7 +14,9 @@
 """
 from __future__ import annotations
 
+import importlib
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,31 +25,45 @@ from odt_ops.api import CheckpointState, Module
 from odt_ops.checkpoint import load_checkpoint
 from odt_ops.export import apply_diff, load_diff, model_diff, save_diff
 from pipeline import training
-from pipeline.config import nest
+from pipeline.config import MISSING, Section
 from pipeline.errors import DataError, PipelineError
-from pipeline.io import write_json
+from pipeline.io import nest, write_json
 from pipeline.paths import Paths
+from pipeline.tracking import NullRun
+
+
+@dataclass
+class ExportConfig(Section):
+    ir_version: int = MISSING
+    check_onnxruntime: bool = MISSING
+    check_atol: float = MISSING
+
+    def check(self) -> None:
+        self.need(10 <= self.ir_version <= 13, "ir_version", "an integer in [10, 13] (opset 21 models need IR >= 10; onnxruntime loads <= 13)")
+        self.need(self.check_atol > 0, "check_atol", "a number > 0")
+
+
+CONFIG = {"export": ExportConfig}
 
 
 class ExportCheckError(PipelineError):
     """The exported model does not compute what the engine computes."""
 
 
-def run(cfg, paths: Paths) -> dict:
+def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     gen = training.generated(paths)
-    ckpt = paths.out("train") / "checkpoint"
+    ckpt = paths.trained_checkpoint
     if not ckpt.is_file():
         raise DataError(f"{paths.show(ckpt)}: train's checkpoint not found; run the pipeline from the start (dvc repro)")
     state = CheckpointState.load_checkpoint(ckpt)
-    module = Module(gen / "training_model.onnx", state, gen / "eval_model.onnx")
-    out = paths.out("export")
-    target = out / "inference.onnx"
+    module = Module(gen.training_model, state, gen.eval_model)
+    target = paths.inference_model
     proto = training.export_inference(module, target, cfg.export.ir_version)
 
     splits = [training.load_split(paths, name) for name in ("user_holdout", "global_test")]
     x = np.concatenate([s.x for s in splits])
     y = np.concatenate([s.y for s in splits])
-    encode = training.target_encoder(gen / "eval_model.onnx")
+    encode = training.target_encoder(gen.eval_model)
     module.eval()
     reference = training.batched(lambda xb, tb: module(xb, tb)[1], x, encode(y), 512)
     engine = odt_ops.InferenceSession(target)
@@ -64,11 +80,11 @@ def run(cfg, paths: Paths) -> dict:
 
     n_train = len(training.load_split(paths, "user_train"))
     steps = int(state.properties.get(training.TOTAL_STEPS, 0))
-    diff = model_diff(gen / "checkpoint", state, num_examples=n_train, num_steps=steps,
+    diff = model_diff(gen.checkpoint, state, num_examples=n_train, num_steps=steps,
                       metadata={"producer": "odt pipeline"})
-    diff_path = out / "model.odtdiff"
+    diff_path = paths.model_diff
     save_diff(diff, diff_path)
-    restored = apply_diff(load_checkpoint(gen / "checkpoint"), load_diff(diff_path))
+    restored = apply_diff(load_checkpoint(gen.checkpoint), load_diff(diff_path))
     trained = state.checkpoint.parameters
     roundtrip = max(float(np.max(np.abs(restored.parameters[n] - trained[n]))) for n in diff.deltas)
     if roundtrip > 1e-5:
@@ -81,7 +97,7 @@ def run(cfg, paths: Paths) -> dict:
         "diff.examples": n_train,
         "diff.steps": steps,
     })
-    write_json(out / "metrics.json", nest(metrics))
+    write_json(paths.metrics("export"), nest(metrics))
     return metrics
 
 
@@ -111,7 +127,7 @@ def after(cfg, paths: Paths, tracker) -> None:
     of the user's holdout), and params.yaml and dvc.lock (as DVC has written it so far:
     every stage before this one) on the pipeline run and this one."""
     example = training.load_split(paths, "user_holdout").x[:2]
-    tracker.log_onnx_model(paths.out("export") / "inference.onnx", example)
+    tracker.log_onnx_model(paths.inference_model, example)
     for name in ("params.yaml", "dvc.lock"):
         path = paths.root / name
         if path.is_file():
@@ -122,9 +138,9 @@ def after(cfg, paths: Paths, tracker) -> None:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("export", run, argv, artifacts=["inference.onnx", "model.odtdiff", "metrics.json"], after=after,
+    return stage_main("export", run, argv, after=after,
                       datasets={"user_holdout": "evaluation", "global_test": "evaluation"})
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

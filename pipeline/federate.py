@@ -1,4 +1,4 @@
-"""Stage 8, federate: federated learning of the generated artifacts over a population of
+"""federate: federated learning of the generated artifacts over a population of
 simulated users, on Flower (odt_ops.federated.flower: Flower's simulation engine runs the
 clients on Ray, one CPU and one BLAS thread each; odt_ops is every client's trainer;
 Flower's strategy, optionally inside its differential-privacy wrapper, aggregates).
@@ -27,23 +27,119 @@ FedAvg + local fine-tune. MLflow: one run per federation with the per-round metr
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import logging
 import sys
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pipeline import datasets, training
-from pipeline.config import nest
+from pipeline.config import MISSING, Section
 from pipeline.errors import DataError
-from pipeline.io import atomic_write_text, write_json
-from pipeline.paths import Paths
+from pipeline.io import atomic_write_text, nest, write_json
+from pipeline.paths import Artifacts, Paths
 from pipeline.tracking import NullRun
 
 ROUND_COLUMNS = ("round", "sampled", "participants", "dropped", "kept_global", "client_accuracy", "client_loss",
                  "global_test_accuracy", "global_test_loss", "bytes_up", "bytes_down", "payload_bytes_up")
+
+
+# --------------------------------------------------------------------------- the federated section
+
+
+class StrategyName(Enum):  # Flower's strategies (odt_ops.federated.flower.STRATEGIES; a test keeps the two equal)
+    fedavg = "fedavg"
+    fedprox = "fedprox"
+    fedadam = "fedadam"
+    fedyogi = "fedyogi"
+    fedadagrad = "fedadagrad"
+    fedavgm = "fedavgm"
+    fedmedian = "fedmedian"
+    fedtrimmedavg = "fedtrimmedavg"
+    krum = "krum"
+    multikrum = "multikrum"
+    bulyan = "bulyan"
+
+
+class DiffEncoding(Enum):
+    float32 = "float32"
+    float16 = "float16"
+    int8 = "int8"
+
+
+class DPMode(Enum):
+    server_fixed = "server_fixed"
+    server_adaptive = "server_adaptive"
+    client_fixed = "client_fixed"
+
+
+@dataclass
+class DPConfig(Section):
+    enabled: bool = MISSING
+    mode: DPMode = MISSING
+    noise_multiplier: float = MISSING
+    clipping_norm: float = MISSING
+
+    def check(self) -> None:
+        self.need(self.noise_multiplier >= 0, "noise_multiplier", "a number >= 0")
+        self.need(self.clipping_norm > 0, "clipping_norm", "a number > 0")
+
+
+@dataclass
+class PopulationConfig(Section):
+    """The simulated users (see Population below)."""
+
+    train_per_client: int = MISSING
+    holdout_per_client: int = MISSING
+    label_alpha: float = MISSING
+    slant_deg: list[float] = MISSING
+    strokes: list[int] = MISSING
+    jitter_deg: float = MISSING
+
+    def check(self) -> None:
+        self.need(self.train_per_client >= 1, "train_per_client", "an integer >= 1")
+        self.need(self.holdout_per_client >= 1, "holdout_per_client", "an integer >= 1")
+        self.need(self.label_alpha > 0, "label_alpha", "a number > 0 (smaller: more skewed labels)")
+        self.need(len(self.slant_deg) == 2 and self.slant_deg[0] <= self.slant_deg[1], "slant_deg", "[low, high] degrees")
+        self.need(len(self.strokes) >= 1 and all(s >= 0 for s in self.strokes), "strokes", "a non-empty list of integers >= 0")
+
+
+@dataclass
+class FederatedConfig(Section):
+    strategy: StrategyName = MISSING
+    strategy_options: dict[str, Any] = MISSING
+    rounds: int = MISSING
+    clients: int = MISSING
+    fraction_train: float = MISSING
+    fraction_evaluate: float = MISSING
+    min_successful_clients: int = MISSING
+    local_epochs: int = MISSING
+    batch_size: int = MISSING
+    lr: float = MISSING
+    mu: float = MISSING
+    encoding: DiffEncoding = MISSING
+    dp: DPConfig = field(default_factory=DPConfig)
+    finetune_epochs: int = MISSING
+    population: PopulationConfig = field(default_factory=PopulationConfig)
+    num_cpus: int = MISSING
+
+    def check(self) -> None:
+        for key in ("rounds", "clients", "local_epochs", "batch_size", "min_successful_clients", "num_cpus"):
+            self.need(getattr(self, key) >= 1, key, "an integer >= 1")
+        self.need(self.finetune_epochs >= 0, "finetune_epochs", "an integer >= 0")
+        self.need(self.min_successful_clients <= self.clients, "min_successful_clients", f"at most federated.clients ({self.clients})")
+        for key in ("fraction_train", "fraction_evaluate"):
+            self.need(0 < getattr(self, key) <= 1, key, "a number in (0, 1]")
+        self.need(self.lr > 0, "lr", "a number > 0")
+        self.need(self.mu >= 0, "mu", "a number >= 0 (0: no proximal term)")
+
+
+CONFIG = {"federated": FederatedConfig}
 
 
 # --------------------------------------------------------------------------- the population
@@ -134,8 +230,8 @@ class Population:
         return ClientData(x, self.targets(y), xh, self.targets(yh))
 
 
-def _one_hot_dtype(gen: Path) -> str | None:
-    probe = training.target_encoder(gen / "training_model.onnx")(np.array([0]))
+def _one_hot_dtype(gen: Artifacts) -> str | None:
+    probe = training.target_encoder(gen.training_model)(np.array([0]))
     return None if probe.ndim == 1 else probe.dtype.str
 
 
@@ -144,13 +240,11 @@ def _one_hot_dtype(gen: Path) -> str | None:
 
 def settings_of(cfg):
     """The federation's settings (odt_ops.federated.flower.FederationSettings) from ``federated``."""
-    from omegaconf import OmegaConf
-
     from odt_ops.federated.flower import DPSettings, FederationSettings
 
     f = cfg.federated
     return FederationSettings(
-        strategy=f.strategy.value, strategy_options=OmegaConf.to_container(f.strategy_options, resolve=True) or {},
+        strategy=f.strategy.value, strategy_options=dict(f.strategy_options or {}),
         rounds=int(f.rounds), num_clients=int(f.clients), fraction_train=float(f.fraction_train),
         fraction_evaluate=float(f.fraction_evaluate), min_train_clients=1, min_evaluate_clients=1,
         min_successful_clients=int(f.min_successful_clients), local_epochs=int(f.local_epochs), batch_size=int(f.batch_size),
@@ -172,21 +266,21 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     pool = client_pool(training.load_split(paths, "global_train"), test)
     population = Population.from_config(cfg, pool, _one_hot_dtype(gen))
     training.check_fits(training.Split("federated users", paths.out("prepare"), population.user(0)[0], population.user(0)[1]),
-                        gen / "eval_model.onnx", paths)
+                        gen.eval_model, paths)
     settings = settings_of(cfg)
     test_t = population.targets(test.y)
     with _console_log():
-        result = simulate(gen, population.data, settings, evaluate_fn=central_evaluation(gen, test.x, test_t), num_cpus=int(f.num_cpus))
+        result = simulate(gen.directory, population.data, settings, evaluate_fn=central_evaluation(gen.directory, test.x, test_t),
+                          num_cpus=int(f.num_cpus))
     out = paths.out("federate")
 
     # the global model: generate's checkpoint with the federation's trainable parameters, and its inference model
-    state = CheckpointState.load_checkpoint(gen / "checkpoint")
+    state = CheckpointState.load_checkpoint(gen.checkpoint)
     for name, value in result.parameters.items():
         state.parameters[name].data = value
     CheckpointState.save_checkpoint(state, out / "checkpoint")
-    module = Module(gen / "training_model.onnx", state, gen / "eval_model.onnx")
-    target = out / "inference.onnx"
-    training.export_inference(module, target, cfg.export.ir_version)
+    module = Module(gen.training_model, state, gen.eval_model)
+    training.export_inference(module, paths.federated_model, cfg.export.ir_version)
 
     # the last round's updates, as the clients sent them
     (out / "diffs").mkdir(parents=True, exist_ok=True)
@@ -194,7 +288,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
         save_encoded(enc, out / "diffs" / f"client_{cid:04d}.odtdiff")
 
     # what federation buys, on every user's holdout: base, local-only, the global model, global + fine-tune
-    trainer = LocalTrainer(gen)
+    trainer = LocalTrainer(gen.directory)
     base = {k: v.copy() for k, v in trainer.base.items()}
     tune = dict(epochs=int(f.finetune_epochs), batch_size=int(f.batch_size), learning_rate=float(f.lr), seed=int(cfg.seed),
                 server_round=10**6)
@@ -244,7 +338,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
         "bytes.payload_up_per_client_round": float(np.mean([r.payload_bytes_up / r.participants for r in trained])) if trained else 0.0,
         "bytes.down_per_round": float(np.mean([r.bytes_down for r in result.rounds])) if result.rounds else 0.0,
     }
-    write_json(out / "metrics.json", nest(metrics))
+    write_json(paths.metrics("federate"), nest(metrics))
     return {**metrics, "seconds": result.seconds, "seconds_per_round": float(np.mean([r.seconds for r in result.rounds] or [0.0]))}
 
 
@@ -291,7 +385,7 @@ class _console_log:
 def after(cfg, paths: Paths, tracker) -> None:
     """The global model as an MLflow model (onnx flavor, an input example from the global test)."""
     example = training.load_split(paths, "global_test").x[:2]
-    tracker.log_onnx_model(paths.out("federate") / "inference.onnx", example, name="global_model")
+    tracker.log_onnx_model(paths.federated_model, example, name="global_model")
 
 
 def describe(metrics: dict) -> str:
@@ -304,9 +398,8 @@ def describe(metrics: dict) -> str:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("federate", run, argv, artifacts=["checkpoint", "inference.onnx", "rounds.csv", "rounds.json", "metrics.json", "diffs"],
-                      after=after, describe=describe, datasets={"global_test": "evaluation"})
+    return stage_main("federate", run, argv, after=after, describe=describe, datasets={"global_test": "evaluation"})
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

@@ -1,9 +1,10 @@
-"""Stage 4, generate: the training artifacts for the device, from the pretrained model.
+"""generate: the training artifacts for the device, from the pretrained model.
 
 What is trainable comes from the ``trainable`` section (pipeline/selection.py: the
 whole model, the last N layers, or parameter globs; the head only by default); the
-loss from ``loss``; the optimizer graph from ``optimizer.name`` and
-``optimizer.hparams`` (baked into the graph). The learning rate and its schedule are
+loss block from the ``loss`` node and the optimizer graph from the ``optimizer.block``
+node (``_target_`` nodes naming odt_ops.onnxblock classes, built with Hydra's
+instantiate; the optimizer's hyperparameters are baked into the graph). The learning rate and its schedule are
 fed at run time, so they are not params of this stage: changing them reruns train,
 never generate.
 
@@ -19,18 +20,23 @@ evaluate reads.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 import odt_ops
 from odt_ops import artifacts
 from odt_ops.errors import UnsupportedOpError
-from pipeline import selection, training
+from pipeline import config, selection
 from pipeline.errors import DataError
 from pipeline.io import write_json
 from pipeline.paths import Paths
+from pipeline.tracking import NullRun
+
+CONFIG = {"trainable": selection.TrainableConfig, "loss": config.LOSS}
+SUMMARY = "artifacts.json"  # what is trained (the models and checkpoints stay out of MLflow)
 
 
-def run(cfg, paths: Paths) -> dict:
+def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     source = paths.pretrained_model
     if not source.is_file():
         raise DataError(f"{paths.show(source)}: pretrain's model not found; run the pipeline from the start (dvc repro)")
@@ -41,12 +47,13 @@ def run(cfg, paths: Paths) -> dict:
         raise UnsupportedOpError(coverage["missing"], what="kernel or gradient rule")
     output = model.graph.output[0].name
     out = paths.out("generate")
+    loss, optimizer = config.build(cfg.loss), config.build(cfg.optimizer.block)
     artifacts.generate_artifacts(
         model,
         requires_grad=chosen.trainable,
         frozen_params=chosen.frozen,
-        loss=training.loss_block(cfg.loss),
-        optimizer=training.optimizer_block(cfg.optimizer.name, cfg.optimizer.hparams),
+        loss=loss,
+        optimizer=optimizer,
         artifact_directory=out,
         additional_output_names=[output],
         nominal_checkpoint=True,
@@ -61,12 +68,12 @@ def run(cfg, paths: Paths) -> dict:
         "frozen": chosen.frozen,
         "trained_layers": chosen.trained_layers(),
         "layers": [name for name, _ in chosen.layers],
-        "loss": cfg.loss.name.value,
-        "optimizer": cfg.optimizer.name.value,
+        "loss": cfg.loss["_target_"],
+        "optimizer": cfg.optimizer.block["_target_"],
         "n_trainable_params": n_trainable,
         "n_params": n_all,
     }
-    write_json(out / "artifacts.json", summary)
+    write_json(out / SUMMARY, summary)
     return {"n_trainable_params": n_trainable, "n_params": n_all, "trainable_fraction": n_trainable / max(1, n_all),
             "n_trained_layers": len(summary["trained_layers"])}
 
@@ -74,8 +81,8 @@ def run(cfg, paths: Paths) -> dict:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("generate", run, argv, artifacts=["artifacts.json"])
+    return stage_main("generate", run, argv, artifacts=lambda paths: [paths.out("generate") / SUMMARY])
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

@@ -33,6 +33,30 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (metrics files to MLflow keys); lists stay values."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def nest(flat: dict[str, Any]) -> dict:
+    """``{"a.b": 1}`` -> ``{"a": {"b": 1}}``, the inverse of ``flatten``."""
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
 def save_npz(path: str | os.PathLike, **arrays: np.ndarray) -> None:
     """Uncompressed .npz, written atomically; loadable with allow_pickle=False."""
     buf = io.BytesIO()
@@ -103,4 +127,4 @@ def _umask() -> int:
     return mask
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "load_npz", "publish_dir", "save_npz", "sha256_file", "write_json"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "flatten", "load_npz", "nest", "publish_dir", "save_npz", "sha256_file", "write_json"]

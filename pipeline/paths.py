@@ -12,13 +12,14 @@ Two roots, on purpose:
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAGES = ("prepare", "convert", "pretrain", "generate", "train", "evaluate", "export", "federate")
 SPLITS = ("global_train", "global_test", "user_train", "user_holdout")
+METRICS = "metrics.json"  # every stage's metrics file (dvc.yaml lists it as the stage's metrics)
 
 
 def project_root() -> Path:
@@ -29,6 +30,21 @@ def project_root() -> Path:
     if (package_parent / "conf").is_dir():
         return package_parent
     return Path.cwd().resolve()  # a non-editable install: run from the checkout
+
+
+def stages() -> tuple[str, ...]:
+    """The pipeline's stages in order: dvc.yaml's, the one list. A stage is its dvc.yaml
+    block, its module ``pipeline/<stage>.py`` (``run(cfg, paths, tracker)``, ``main()`` and,
+    for its settings, ``CONFIG``) and its conf/ group; tests keep the three agreeing."""
+    root = project_root()
+    return _stages(root / "dvc.yaml" if (root / "dvc.yaml").is_file() else Path(__file__).resolve().parent.parent / "dvc.yaml")
+
+
+@functools.cache
+def _stages(dvc_yaml: Path) -> tuple[str, ...]:
+    import yaml
+
+    return tuple(yaml.safe_load(dvc_yaml.read_text(encoding="utf-8"))["stages"])
 
 
 def tracking_root() -> Path:
@@ -54,8 +70,8 @@ class Paths:
 
     def out(self, stage: str) -> Path:
         """The output directory of ``stage`` (data/<stage>/)."""
-        if stage not in STAGES:
-            raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+        if stage not in stages():
+            raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(stages())}")
         return Path(self.redirects.get(stage, self.data / stage))
 
     def redirect(self, stage: str, directory: Path) -> "Paths":
@@ -67,6 +83,13 @@ class Paths:
             raise ValueError(f"unknown split {name!r}; splits: {', '.join(SPLITS)}")
         return self.out("prepare") / f"{name}.npz"
 
+    def metrics(self, stage: str) -> Path:
+        """``stage``'s metrics file (``dvc metrics show`` reads it)."""
+        return self.out(stage) / METRICS
+
+    # Each output another stage (or the retraining job) reads, named once: the stage that
+    # writes it and every reader use these.
+
     @property
     def base_model(self) -> Path:
         """convert's output: the normalized forward-only model."""
@@ -76,6 +99,31 @@ class Paths:
     def pretrained_model(self) -> Path:
         """pretrain's output: the cloud-trained forward-only model."""
         return self.out("pretrain") / "base.onnx"
+
+    @property
+    def artifacts(self) -> "Artifacts":
+        """generate's output: the training artifacts."""
+        return Artifacts(self.out("generate"))
+
+    @property
+    def trained_checkpoint(self) -> Path:
+        """train's output: the final checkpoint, optimizer state included."""
+        return self.out("train") / "checkpoint"
+
+    @property
+    def inference_model(self) -> Path:
+        """export's output: the personalized forward-only model."""
+        return self.out("export") / "inference.onnx"
+
+    @property
+    def model_diff(self) -> Path:
+        """export's output: trained minus pretrained, for federated learning."""
+        return self.out("export") / "model.odtdiff"
+
+    @property
+    def federated_model(self) -> Path:
+        """federate's output: the global model's forward-only model."""
+        return self.out("federate") / "inference.onnx"
 
     def resolve(self, path: str | os.PathLike) -> Path:
         """A user-given path: absolute as is, relative to the project root otherwise."""
@@ -88,3 +136,35 @@ class Paths:
             return str(Path(path).relative_to(self.root))
         except ValueError:
             return str(path)
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """generate's folder: the files ``odt_ops.artifacts.generate_artifacts`` writes there."""
+
+    directory: Path
+
+    @property
+    def training_model(self) -> Path:
+        return self.directory / "training_model.onnx"
+
+    @property
+    def eval_model(self) -> Path:
+        return self.directory / "eval_model.onnx"
+
+    @property
+    def optimizer_model(self) -> Path:
+        return self.directory / "optimizer_model.onnx"
+
+    @property
+    def checkpoint(self) -> Path:
+        """The pretrained weights, trainable and frozen: where training starts."""
+        return self.directory / "checkpoint"
+
+    @property
+    def nominal_checkpoint(self) -> Path:
+        return self.directory / "nominal_checkpoint"
+
+    def required(self) -> tuple[Path, ...]:
+        """What a training stage needs."""
+        return (self.training_model, self.eval_model, self.optimizer_model, self.checkpoint)

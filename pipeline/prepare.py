@@ -1,4 +1,4 @@
-"""Stage 1, prepare: the cloud's data and one device owner's data, as .npz files.
+"""prepare: the cloud's data and one device owner's data, as .npz files.
 
 Outputs (data/prepare/): ``global_train.npz``, ``global_test.npz`` (the cloud's),
 ``user_train.npz``, ``user_holdout.npz`` (the device's), each with ``x`` float32
@@ -18,17 +18,90 @@ global test set versus the user's holdout shows how far the user is from the cro
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
 
 import numpy as np
 
 from pipeline import datasets
+from pipeline.config import MISSING, Section
 from pipeline.errors import ConfigError, DataError
 from pipeline.io import save_npz, write_json
 from pipeline.paths import SPLITS, Paths
+from pipeline.tracking import NullRun
 
 
-def run(cfg, paths: Paths) -> dict:
+class DataName(Enum):
+    digits = "digits"
+
+
+class UserFormat(Enum):
+    auto = "auto"
+    npz = "npz"
+    csv = "csv"
+    images = "images"
+
+
+class Ink(Enum):
+    auto = "auto"
+    light_on_dark = "light_on_dark"
+    dark_on_light = "dark_on_light"
+
+
+@dataclass
+class StyleConfig(Section):
+    """The simulated user's handwriting, applied to 32x32 bitmaps (see datasets.render_style)."""
+
+    slant_deg: float = MISSING
+    stroke: int = MISSING
+    jitter_deg: float = MISSING
+    shift: list[float] = MISSING
+
+    def check(self) -> None:
+        self.need(self.stroke >= 0, "stroke", "an integer >= 0 (pixels at 32x32)")
+        self.need(-60 <= self.slant_deg <= 60, "slant_deg", "degrees in [-60, 60]")
+        self.need(self.jitter_deg >= 0, "jitter_deg", "degrees >= 0")
+        self.need(len(self.shift) == 2, "shift", "two numbers [down, right] in 8x8 pixels")
+
+
+@dataclass
+class DataConfig(Section):
+    name: DataName = MISSING
+    input_shape: list[int] = MISSING
+    num_classes: int = MISSING
+    test_fraction: float = MISSING
+    user_samples: int = MISSING
+    user_train_per_class: int = MISSING
+    style: StyleConfig = field(default_factory=StyleConfig)
+    user_data: Optional[str] = MISSING
+    user_format: UserFormat = MISSING
+    user_holdout_fraction: float = MISSING
+    label_column: str = MISSING
+    pixel_max: Optional[float] = MISSING
+    ink: Ink = MISSING
+
+    def check(self) -> None:
+        self.need(len(self.input_shape) >= 1 and all(n >= 1 for n in self.input_shape), "input_shape", "a list of positive integers")
+        self.need(self.num_classes >= 2, "num_classes", "an integer >= 2")
+        self.need(0 < self.test_fraction < 1, "test_fraction", "a fraction strictly between 0 and 1")
+        self.need(0 < self.user_holdout_fraction < 1, "user_holdout_fraction", "a fraction strictly between 0 and 1")
+        self.need(self.user_samples >= 2 * self.num_classes, "user_samples", f"an integer >= 2 * data.num_classes ({2 * self.num_classes})")
+        self.need(self.user_train_per_class >= 1, "user_train_per_class", "an integer >= 1")
+        self.need(self.user_train_per_class * self.num_classes < self.user_samples, "user_train_per_class",
+                  f"fewer than data.user_samples / data.num_classes ({self.user_samples / self.num_classes:g}) so a holdout remains")
+        self.need(self.pixel_max is None or self.pixel_max > 0, "pixel_max", "null or a number > 0")
+        self.need(bool(self.label_column), "label_column", "a non-empty column name")
+
+
+CONFIG = {"data": DataConfig}
+SUMMARY = "summary.json"  # counts, the user's style, the probe (the only file worth a copy in MLflow)
+
+
+def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     d = cfg.data
     rng = np.random.default_rng(cfg.seed)
     x, y = datasets.load_digits_demo()
@@ -67,9 +140,9 @@ def run(cfg, paths: Paths) -> dict:
     metrics = {f"n_{name}": int(len(splits[name][1])) for name in SPLITS}
     metrics["probe_acc_global_test"] = probe(*splits["global_test"])
     metrics["probe_acc_user_holdout"] = probe(*splits["user_holdout"])
-    write_json(out / "summary.json", {
+    write_json(out / SUMMARY, {
         "source": source,
-        "style": {k: (list(v) if k == "shift" else v) for k, v in d.style.items()} if not d.user_data else None,
+        "style": dataclasses.asdict(d.style) if not d.user_data else None,
         "classes": {name: np.bincount(splits[name][1], minlength=d.num_classes).tolist() for name in SPLITS},
         "metrics": metrics,
         "probe": "nearest centroid fit on global_train",
@@ -108,8 +181,8 @@ def _nearest_centroid(x: np.ndarray, y: np.ndarray, num_classes: int):
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("prepare", run, argv, artifacts=["summary.json"])
+    return stage_main("prepare", run, argv, artifacts=lambda paths: [paths.out("prepare") / SUMMARY])
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

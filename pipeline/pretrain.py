@@ -1,6 +1,6 @@
-"""Stage 3, pretrain: the cloud step. The base model trained on the global data with
-the same engine the device uses (every parameter trainable, cross-entropy,
-``pretrain.optimizer``), exported as a forward-only ONNX model.
+"""pretrain: the cloud step. The base model trained on the global data with
+the same engine the device uses (every parameter trainable, cross-entropy, the
+``pretrain.optimizer`` block node at ``pretrain.lr``), exported as a forward-only ONNX model.
 
 ``pretrain.mode``: ``auto`` trains sources whose weights are fresh initializations
 (the built-in models and PyTorch classes) and keeps an ONNX file as it is (already
@@ -12,25 +12,52 @@ test sets and on the user's holdout: the gap personalization has to close).
 """
 from __future__ import annotations
 
+import importlib
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import odt_ops
 from odt_ops import artifacts
 from odt_ops.api import CheckpointState, ConstantLRScheduler, Module, Optimizer
-from odt_ops.onnxblock import optim
-from pipeline import training
-from pipeline.config import ModelSource, OptimizerName, PretrainMode, flatten, nest
+from pipeline import config, training
+from pipeline.config import MISSING, OPTIMIZER, Section
+from pipeline.convert import ModelSource
 from pipeline.errors import DataError
-from pipeline.io import write_json
+from pipeline.io import flatten, nest, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NullRun
 
 EVAL_SPLITS = ("global_train", "global_test", "user_holdout")
+
+
+class PretrainMode(Enum):
+    auto = "auto"
+    train = "train"
+    skip = "skip"
+
+
+@dataclass
+class PretrainConfig(Section):
+    mode: PretrainMode = MISSING
+    epochs: int = MISSING
+    batch_size: int = MISSING
+    lr: float = MISSING
+    optimizer: dict[str, Any] = OPTIMIZER.field()
+
+    def check(self) -> None:
+        self.need(self.epochs >= 0, "epochs", "an integer >= 0 (0: keep the initial weights)")
+        self.need(self.batch_size >= 1, "batch_size", "an integer >= 1")
+        self.need(self.lr > 0, "lr", "a number > 0")
+
+
+CONFIG = {"pretrain": PretrainConfig}
 
 
 def should_train(cfg) -> bool:
@@ -48,7 +75,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     training.check_fits(splits["global_train"], source, paths)
     out = paths.out("pretrain")
     out.mkdir(parents=True, exist_ok=True)
-    target = out / "base.onnx"
+    target = paths.pretrained_model
     fit = None
     if should_train(cfg):
         fit = _train(cfg, source, splits["global_train"], target, tracker)
@@ -65,7 +92,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
         metrics[f"{name}.loss"] = result["loss"]
     if fit is not None:
         metrics.update({"steps": fit.steps, "epochs": cfg.pretrain.epochs, "final_train_loss": float(np.mean(fit.losses[-_per_epoch(cfg, splits):]))})
-    write_json(out / "metrics.json", nest(metrics))
+    write_json(paths.metrics("pretrain"), nest(metrics))
     if fit is not None:
         metrics["seconds"] = fit.seconds  # MLflow and the console only: metrics.json stays reproducible
     return metrics
@@ -77,7 +104,7 @@ def _per_epoch(cfg, splits) -> int:
 
 def _train(cfg, source: Path, split: training.Split, target: Path, tracker) -> training.FitResult:
     p = cfg.pretrain
-    opt = optim.AdamW(weight_decay=p.weight_decay) if p.optimizer is OptimizerName.adamw else optim.SGD(momentum=0.9, weight_decay=p.weight_decay)
+    opt = config.build(p.optimizer)
     model = odt_ops.load_model(source)
     output = model.graph.output[0].name
     with tempfile.TemporaryDirectory(prefix="odt-pretrain-") as tmp:
@@ -103,7 +130,7 @@ def _train(cfg, source: Path, split: training.Split, target: Path, tracker) -> t
 
 
 def after(cfg, paths: Paths, tracker) -> None:
-    tracker.log_parent_metrics({f"base.{k}": v for k, v in _flat_metrics(paths.out("pretrain") / "metrics.json").items()
+    tracker.log_parent_metrics({f"base.{k}": v for k, v in _flat_metrics(paths.metrics("pretrain")).items()
                                 if k.endswith("accuracy")})
 
 
@@ -116,9 +143,9 @@ def _flat_metrics(path: Path) -> dict:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("pretrain", run, argv, artifacts=["base.onnx", "metrics.json"], after=after,
+    return stage_main("pretrain", run, argv, after=after,
                       datasets={"global_train": "training", "global_test": "evaluation"})
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

@@ -38,6 +38,7 @@ import datetime as dt
 import errno
 import fcntl
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -48,11 +49,36 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from pipeline.config.schema import MISSING, Section
 from pipeline.errors import EXIT_INPUT, PipelineError
 
 EXIT_BUSY = 75
 KEEP_VERSIONS = 3
+
+
+@dataclass
+class RetrainConfig(Section):
+    """The job's ``retrain`` section (no stage lists it as a DVC param: it never reruns a stage)."""
+
+    inbox: str = MISSING
+    promoted_dir: str = MISSING
+    state_dir: str = MISSING
+    continue_from_promoted: bool = MISSING
+    min_delta: float = MISSING
+    max_forgetting: Optional[float] = MISSING
+    wait_seconds: float = MISSING
+
+    def check(self) -> None:
+        for key in ("inbox", "promoted_dir", "state_dir"):
+            self.need(bool(getattr(self, key)), key, "a path relative to the repository")
+        self.need(self.max_forgetting is None or self.max_forgetting >= 0, "max_forgetting",
+                  "null or a number >= 0 (accuracy points as a fraction)")
+        self.need(self.wait_seconds >= 0, "wait_seconds", "a number >= 0 (0: exit at once when a job is running)")
+
+
+CONFIG = {"retrain": RetrainConfig}
 
 
 class Busy(Exception):
@@ -185,7 +211,7 @@ def _stamp() -> str:
 
 
 def _flat(path: Path) -> dict:
-    from pipeline.config import flatten
+    from pipeline.io import flatten
 
     return flatten(json.loads(path.read_text()))
 
@@ -265,7 +291,7 @@ def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
             tracker.set_tags({"retrain.decision": "failed", "retrain.reason": reason})
             raise JobError(reason + f"; the promoted model is unchanged{' (' + paths.show(promoted) + ')' if info else ''}")
 
-        candidate = _flat(paths.out("evaluate") / "metrics.json")
+        candidate = _flat(paths.metrics("evaluate"))
         if info is not None:
             current = holdout_accuracy(promoted / "inference.onnx", paths, cfg.data.num_classes)
             current_model = "promoted"
@@ -282,18 +308,17 @@ def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
                              "promoted": int(d.promote)})
         tracker.set_tags({"retrain.decision": record["decision"], "retrain.reason": d.reason})
         if d.promote:
-            files = {"inference.onnx": paths.out("export") / "inference.onnx", "model.odtdiff": paths.out("export") / "model.odtdiff",
-                     "checkpoint": paths.out("train") / "checkpoint"}
+            files = {p.name: p for p in (paths.inference_model, paths.model_diff, paths.trained_checkpoint)}
             # the promoted model in MLflow's registry, its in-service alias moved to the new version
             model_uri = tracker.log_onnx_model(files["inference.onnx"], training.load_split(paths, "user_holdout").x[:2])
             if model_uri:
                 record["registry_version"] = tracker.register_model(model_uri, cfg.tracking.registered_model,
                                                                     tracking.IN_SERVICE_ALIAS)
-            version = promote(files, {"job": record, "evaluate": json.loads((paths.out("evaluate") / "metrics.json").read_text())},
+            version = promote(files, {"job": record, "evaluate": json.loads(paths.metrics("evaluate").read_text())},
                               promoted, state / "models")
             record["version"] = paths.show(version)
         _log(state, record)
-        for path in (root / "params.yaml", root / "dvc.lock", paths.out("evaluate") / "metrics.json", promoted / "metrics.json"):
+        for path in (root / "params.yaml", root / "dvc.lock", paths.metrics("evaluate"), promoted / "metrics.json"):
             tracker.log_artifact(path, "job")
     verb = "promoted" if d.promote else "kept the current model"
     print(f"retrain: {verb}: {d.reason}" + (f" -> {paths.show(promoted)}/" if d.promote else f"; {paths.show(promoted)}/ unchanged"
@@ -386,5 +411,5 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

@@ -16,11 +16,32 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from enum import Enum
 
 import odt_ops
 from odt_ops import artifacts
-from pipeline.config import Select
+from pipeline.config import MISSING, Section
 from pipeline.errors import ConfigError
+
+
+class Select(Enum):
+    last_n = "last_n"
+    all = "all"
+    globs = "globs"
+
+
+@dataclass
+class TrainableConfig(Section):
+    """The ``trainable`` section (generate's)."""
+
+    select: Select = MISSING
+    last_n: int = MISSING
+    params: list[str] = MISSING
+    frozen: list[str] = MISSING
+
+    def check(self) -> None:
+        self.need(self.last_n >= 1, "last_n", "an integer >= 1")
+        self.need(self.select is not Select.globs or len(self.params) > 0, "params", "at least one glob when trainable.select=globs")
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,32 @@
-"""What every stage's ``main()`` does around its pure ``run(cfg, paths)``.
+"""What every stage's ``main()`` does around its ``run(cfg, paths, tracker)``.
 
 1. load and validate the configuration (``pipeline.config.load``), before any work;
 2. open the stage's MLflow run (``pipeline.tracking.stage_run``);
 3. call ``run`` with the stage's output directory redirected to a staging directory,
    and swap it into ``data/<stage>/`` only if ``run`` succeeded, so a failure leaves
    the previous outputs (this stage's and every earlier one's) intact;
-4. log the metrics and the listed output files to MLflow, then call the stage's
+4. log the metrics and the output files (all, or the stage's ``artifacts(paths)``) to MLflow, then call the stage's
    ``after(cfg, paths, tracker)`` hook (PNG plots, files for the pipeline run) when
    tracking is on; a failing hook is a warning, never a failed stage;
 5. report any error as one line on stderr (no traceback) and return its exit code:
    2 for configuration errors, 1 for bad inputs (data, model source, tracking store).
+
+``python -m pipeline.<stage>`` executes the module as ``__main__``, a second copy beside
+the ``pipeline.<stage>`` the configuration schema imports for its sections; their Enum
+classes differ, so ``cfg.model.source is ModelSource.builtin`` would be false in the
+copy. Each module's ``__main__`` block therefore calls the imported module's ``main``.
 """
 from __future__ import annotations
 
-import inspect
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 from pipeline.errors import EXIT_INPUT, PipelineError
 from pipeline.paths import Paths
 
-RunFn = Callable[..., dict]
+RunFn = Callable[..., dict]  # run(cfg, paths, tracker) -> metrics
 
 
 def usage(stage: str) -> str:
@@ -39,7 +44,7 @@ def usage(stage: str) -> str:
     )
 
 
-def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts: Sequence[str] = (),
+def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts: Callable[[Paths], Iterable[Path]] | None = None,
          after: Callable | None = None, describe: Callable[[dict], str] | None = None,
          datasets: Mapping[str, str] | None = None) -> int:
     """Run ``stage`` as DVC or a person would (``python -m pipeline.<stage> [overrides]``)."""
@@ -58,11 +63,11 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
         paths = Paths.default()
         with tracking.stage_run(stage, cfg, config_source=config.source_of(args)) as tracker:
             with publish_dir(paths.out(stage)) as staging:
-                kwargs = {"tracker": tracker} if "tracker" in inspect.signature(run).parameters else {}
-                metrics = run(cfg, paths.redirect(stage, staging), **kwargs)
+                metrics = run(cfg, paths.redirect(stage, staging), tracker)
             tracker.log_metrics(metrics)
-            for name in artifacts:
-                tracker.log_artifact(paths.out(stage) / name, stage)
+            logged = artifacts(paths) if artifacts is not None else sorted(p for p in paths.out(stage).iterdir() if not p.name.startswith("."))
+            for path in logged:
+                tracker.log_artifact(path, stage)
             if datasets and tracker.enabled:  # the runs table's Dataset column: which splits this stage read
                 _log_datasets(tracker, paths, datasets)
             if after is not None and tracker.enabled:

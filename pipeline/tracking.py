@@ -23,11 +23,29 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.schema import MISSING, Section
 from pipeline.errors import TrackingError
 from pipeline.paths import project_root, tracking_root
+
+
+@dataclass
+class TrackingConfig(Section):
+    """The ``tracking`` section (no stage lists it as a DVC param: it never reruns a stage)."""
+
+    enabled: bool = MISSING
+    experiment: str = MISSING
+    log_artifacts: bool = MISSING
+    registered_model: str = MISSING  # the model registry's name for what the retraining job promotes
+
+    def check(self) -> None:
+        self.need(bool(self.experiment), "experiment", "a non-empty experiment name")
+
+
+CONFIG = {"tracking": TrackingConfig}
 
 PARENT_ENV = "ODT_PARENT_RUN_ID"
 # MLflow 3 opens an experiment on its GenAI overview unless its kind says model training
@@ -217,7 +235,8 @@ def stage_run(stage: str, cfg, *, config_source: str | None = None) -> Iterator[
     if not cfg.tracking.enabled:
         yield NullRun()
         return
-    from pipeline.config import flatten, to_container
+    from pipeline.config import to_container
+    from pipeline.io import flatten
 
     client, experiment_id = _client_and_experiment(cfg.tracking.experiment)
     try:
@@ -334,7 +353,8 @@ def _parent_run_id(client, experiment_id: str, cfg=None) -> str | None:
     tags.update({k: v for k, v in run_tags("pipeline").items() if k not in ("odt.stage", "dvc.stage")})
     parent = client.create_run(experiment_id, run_name="pipeline", tags=tags)
     if cfg is not None:  # the pipeline's configuration, as every stage sees it
-        from pipeline.config import flatten, to_container
+        from pipeline.config import to_container
+        from pipeline.io import flatten
 
         StageRun(client, parent.info.run_id, None).log_params(flatten(to_container(cfg)))
     client.set_terminated(parent.info.run_id, "FINISHED")

@@ -1,4 +1,4 @@
-"""Stage 5, train: on-device training on the user's own data through odt_ops.api.
+"""train: on-device training on the user's own data through odt_ops.api.
 
 The loop is onnxruntime's on-device training loop (CheckpointState, Module,
 Optimizer, an LR scheduler): ``train.epochs`` passes over ``user_train`` in batches of
@@ -20,11 +20,15 @@ included), ``curve.csv`` (step, epoch, loss, lr every ``train.log_every`` steps,
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import os
+import re
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -32,22 +36,64 @@ from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import OptimizerState, load_checkpoint
 from odt_ops.errors import CheckpointError
 from pipeline import training
-from pipeline.config import nest
+from pipeline.config import MISSING, Section
 from pipeline.errors import ConfigError, DataError
-from pipeline.io import atomic_write_text, sha256_file, write_json
-from pipeline.paths import Paths
+from pipeline.io import atomic_write_text, nest, sha256_file, write_json
+from pipeline.paths import Artifacts, Paths
 from pipeline.tracking import NullRun
 
 TOTAL_STEPS = training.TOTAL_STEPS
+CURVE = "curve.csv"  # step, epoch, loss, lr (dvc plots; the PNG in MLflow)
+
+
+@dataclass
+class TrainConfig(Section):
+    epochs: int = MISSING
+    shuffle: bool = MISSING
+    checkpoint_every: int = MISSING
+    log_every: int = MISSING
+    # continue from this checkpoint (e.g. data/promoted/checkpoint) instead of the base
+    init_checkpoint: Optional[str] = MISSING
+    # its SHA-256: the checkpoint is not a DVC dependency, so this param is its cache key
+    init_sha256: Optional[str] = MISSING
+
+    def check(self) -> None:
+        self.need(self.epochs >= 1, "epochs", "an integer >= 1")
+        self.need(self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0 (0: final checkpoint only)")
+        self.need(self.log_every >= 1, "log_every", "an integer >= 1")
+        sha = self.init_sha256
+        self.need(sha is None or bool(re.fullmatch(r"[0-9a-f]{64}", sha)), "init_sha256",
+                  "null or 64 lowercase hex digits (sha256sum of train.init_checkpoint)")
+        self.need(sha is None or bool(self.init_checkpoint), "init_sha256", "null when train.init_checkpoint is null")
+
+
+@dataclass
+class DeviceConfig(Section):
+    name: str = MISSING
+    threads: int = MISSING
+    batch_size: int = MISSING
+    max_steps: Optional[int] = MISSING
+    max_seconds: Optional[float] = MISSING
+
+    def check(self) -> None:
+        self.need(self.threads >= 1, "threads", "an integer >= 1")
+        self.need(self.batch_size >= 1, "batch_size", "an integer >= 1")
+        self.need(self.max_steps is None or self.max_steps >= 1, "max_steps", "null or an integer >= 1")
+        self.need(self.max_seconds is None or self.max_seconds > 0, "max_seconds", "null or a number > 0")
+
+
+CONFIG = {"optimizer": training.OptimizerConfig, "train": TrainConfig, "device": DeviceConfig}
+
+
 def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     gen = training.generated(paths)
     split = training.load_split(paths, "user_train")
-    training.check_fits(split, gen / "eval_model.onnx", paths)
-    targets = training.target_encoder(gen / "training_model.onnx")(split.y)
+    training.check_fits(split, gen.eval_model, paths)
+    targets = training.target_encoder(gen.training_model)(split.y)
 
-    state = CheckpointState.load_checkpoint(gen / "checkpoint")
+    state = CheckpointState.load_checkpoint(gen.checkpoint)
     init = continue_from(cfg, paths, state)
-    module = Module(gen / "training_model.onnx", state, gen / "eval_model.onnx", seed=cfg.seed)
+    module = Module(gen.training_model, state, gen.eval_model, seed=cfg.seed)
     optimizer, resumed = _optimizer(gen, module, state)
 
     t, dv = cfg.train, cfg.device
@@ -76,8 +122,8 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
             max_seconds=dv.max_seconds, on_step=on_step, desc="train",
         )
     state.properties[TOTAL_STEPS] = prior_steps + fit.steps
-    save(state, out / "checkpoint")
-    _write_curve(out / "curve.csv", rows)
+    save(state, paths.trained_checkpoint)
+    _write_curve(out / CURVE, rows)
 
     module.eval()
     _, logits = module(split.x, targets)
@@ -95,7 +141,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
         "resumed_optimizer_state": int(resumed),
         "total_steps": prior_steps + fit.steps,
     }
-    write_json(out / "metrics.json", nest(metrics))
+    write_json(paths.metrics("train"), nest(metrics))
     if fit.stopped_by != "epochs":
         print(f"train: stopped by device.{fit.stopped_by} after {fit.steps} of {t.epochs * per_epoch} steps", file=sys.stderr)
     # the console and MLflow only: metrics.json stays byte-for-byte reproducible
@@ -154,16 +200,16 @@ def save(state: CheckpointState, path: Path) -> None:
     CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
 
 
-def _optimizer(gen: Path, module: Module, state: CheckpointState) -> tuple[Optimizer, bool]:
+def _optimizer(gen: Artifacts, module: Module, state: CheckpointState) -> tuple[Optimizer, bool]:
     """The Optimizer, resuming the checkpoint's optimizer state when it fits this optimizer
     (an SGD state does not fit AdamW): then moments and step count continue."""
     ck = state.checkpoint
     if ck.optimizer is not None:
         try:
-            return Optimizer(gen / "optimizer_model.onnx", module), True
+            return Optimizer(gen.optimizer_model, module), True
         except CheckpointError:
             ck.optimizer = None
-    return Optimizer(gen / "optimizer_model.onnx", module), False
+    return Optimizer(gen.optimizer_model, module), False
 
 
 def _write_curve(path: Path, rows) -> None:
@@ -180,7 +226,7 @@ def after(cfg, paths: Paths, tracker) -> None:
 
     if plots.available():
         with tempfile.TemporaryDirectory(prefix="odt-plots-") as tmp:
-            png = plots.loss_curve(paths.out("train") / "curve.csv", Path(tmp) / "loss_curve.png",
+            png = plots.loss_curve(paths.out("train") / CURVE, Path(tmp) / "loss_curve.png",
                                    title=f"on-device training ({cfg.device.name}, lr {cfg.optimizer.lr:g})")
             tracker.log_artifact(png, "plots")
 
@@ -188,9 +234,9 @@ def after(cfg, paths: Paths, tracker) -> None:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("train", run, argv, artifacts=["checkpoint", "checkpoints", "curve.csv", "metrics.json"], after=after,
+    return stage_main("train", run, argv, after=after,
                       datasets={"user_train": "training"})
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
+    sys.exit(importlib.import_module(__spec__.name).main())

@@ -1,6 +1,7 @@
-"""What the training stages share: the configured loss and optimizer as odt_ops blocks,
-the data splits checked against the model, the training loop with the device's
-limits, learning-rate schedules, and classification metrics.
+"""What the training stages share: the ``optimizer`` section (the optimizer graph's
+block node, the learning rate and its schedule), the data splits checked against the
+model, the training loop with the device's limits, learning-rate schedules, and
+classification metrics.
 
 Everything here goes through odt_ops' public API (artifacts, onnxblock, api); the
 loop is onnxruntime's on-device training loop (train step, optimizer step,
@@ -12,42 +13,50 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 
 from odt_ops import meta
 from odt_ops.api import ConstantLRScheduler, CosineLRScheduler, LinearLRScheduler, LRScheduler
-from odt_ops.onnxblock import loss as losses
-from odt_ops.onnxblock import optim
-from pipeline.config import LossName, OptimizerName, ScheduleName
+from pipeline.config import MISSING, OPTIMIZER, Section
 from pipeline.errors import DataError
 from pipeline.io import load_npz
-from pipeline.paths import Paths
+from pipeline.paths import Artifacts, Paths
 
-# --------------------------------------------------------------------------- blocks
-
-
-def loss_block(loss_cfg):
-    """The configured loss as an onnxblock Block (what generate_artifacts appends)."""
-    reduction = loss_cfg.reduction.value
-    return {
-        LossName.cross_entropy: losses.CrossEntropyLoss,
-        LossName.mse: losses.MSELoss,
-        LossName.bce_with_logits: losses.BCEWithLogitsLoss,
-        LossName.l1: losses.L1Loss,
-    }[loss_cfg.name](reduction=reduction)
+# --------------------------------------------------------------------------- the optimizer section
 
 
-def optimizer_block(name: OptimizerName, hparams) -> optim.Optimizer:
-    """The optimizer graph's block; its hyperparameters are baked into optimizer_model.onnx
-    (the learning rate is not: it is fed at every step)."""
-    clip = hparams.get("max_grad_norm")
-    if name is OptimizerName.adamw:
-        return optim.AdamW(betas=tuple(hparams.betas), eps=float(hparams.eps), weight_decay=float(hparams.weight_decay), max_norm=clip)
-    return optim.SGD(momentum=float(hparams.momentum), nesterov=bool(hparams.nesterov), weight_decay=float(hparams.weight_decay), max_norm=clip)
+class ScheduleName(Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+@dataclass
+class ScheduleConfig(Section):
+    name: ScheduleName = MISSING
+    warmup_steps: int = MISSING
+
+    def check(self) -> None:
+        self.need(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
+
+
+@dataclass
+class OptimizerConfig(Section):
+    """``block`` is baked into optimizer_model.onnx (generate's param); ``lr`` and
+    ``schedule`` are fed at every step (train's params), so a new rate never regenerates."""
+
+    block: dict[str, Any] = OPTIMIZER.field()
+    lr: float = MISSING
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def check(self) -> None:
+        self.need(self.lr > 0, "lr", "a number > 0")
 
 
 def scheduler(optimizer, opt_cfg, total_steps: int) -> LRScheduler:
@@ -75,16 +84,15 @@ class WarmupConstantLRScheduler(LRScheduler):
 
 # --------------------------------------------------------------------------- data
 
-ARTIFACTS = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
 TOTAL_STEPS = "odt.pipeline.total_steps"  # checkpoint property: steps behind it, over continued runs
 
 
-def generated(paths: Paths) -> Path:
-    """generate's output directory, once every artifact is there."""
-    gen = paths.out("generate")
-    for name in ARTIFACTS:
-        if not (gen / name).is_file():
-            raise DataError(f"{paths.show(gen / name)}: generate's artifact not found; run the pipeline from the start (dvc repro)")
+def generated(paths: Paths) -> Artifacts:
+    """generate's artifacts, once every one a training stage needs is there."""
+    gen = paths.artifacts
+    for path in gen.required():
+        if not path.is_file():
+            raise DataError(f"{paths.show(path)}: generate's artifact not found; run the pipeline from the start (dvc repro)")
     return gen
 
 

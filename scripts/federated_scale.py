@@ -37,7 +37,8 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
 
     cfg = config.load(["tracking=disabled"], root=ROOT)
     paths = Paths(workdir)
-    if not (paths.out("generate") / "checkpoint").is_file():
+    gen = paths.artifacts
+    if not gen.checkpoint.is_file():
         for stage in (prepare, convert, pretrain, generate):
             stage.run(cfg, paths)
     test = training.load_split(paths, "global_test")
@@ -65,7 +66,7 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     t0 = time.monotonic()
-    result = simulate(paths.out("generate"), population.data, settings, evaluate_fn=central_evaluation(paths.out("generate"), test.x, test.y),
+    result = simulate(gen.directory, population.data, settings, evaluate_fn=central_evaluation(gen.directory, test.x, test.y),
                       num_cpus=os.cpu_count())
     wall = time.monotonic() - t0
     stop.set()

@@ -90,5 +90,5 @@ def test_simulated_federation_learns_and_is_bit_identical(generated, tmp_path):
 def test_strategy_names_match_flowers(generated):
     from odt_ops.federated.flower import STRATEGIES
 
-    assert sorted(s.value for s in config.StrategyName) == sorted(STRATEGIES)
-    assert sorted(e.value for e in config.DiffEncoding) == ["float16", "float32", "int8"]
+    assert sorted(s.value for s in federate.StrategyName) == sorted(STRATEGIES)
+    assert sorted(e.value for e in federate.DiffEncoding) == ["float16", "float32", "int8"]

@@ -14,6 +14,7 @@ pytest.importorskip("omegaconf")
 
 from pipeline import config, prepare  # noqa: E402
 from pipeline.paths import Paths  # noqa: E402
+from pipeline.paths import stages as pipeline_stages  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["data.user_samples=100", "data.user_train_per_class=3"]
@@ -44,11 +45,15 @@ def prepared(tmp_path_factory) -> Paths:
     return paths
 
 
-def run_stages(cfg, paths: Paths, stages=("pretrain", "generate", "train", "evaluate", "export")) -> dict:
+# what most tests need run after prepare and convert: every stage but federate (Flower, slow; tests/federated/)
+AFTER_CONVERT = tuple(s for s in pipeline_stages() if s not in ("prepare", "convert", "federate"))
+
+
+def run_stages(cfg, paths: Paths, names=AFTER_CONVERT) -> dict:
     """Run stage functions in order (as DVC would, without DVC); returns their metrics."""
     import importlib
 
-    return {name: importlib.import_module(f"pipeline.{name}").run(cfg, paths) for name in stages}
+    return {name: importlib.import_module(f"pipeline.{name}").run(cfg, paths) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +69,9 @@ def tiny_run(tmp_path_factory) -> Paths:
     return paths
 
 
-def copy_outputs(src: Paths, dest: Path, stages=("prepare", "convert", "pretrain", "generate", "train", "evaluate", "export")) -> Paths:
-    for stage in stages:
+def copy_outputs(src: Paths, dest: Path, stages=None) -> Paths:
+    """``src``'s outputs of ``stages`` (every stage's by default) under ``dest``."""
+    for stage in stages or pipeline_stages():
         if src.out(stage).exists():
             shutil.copytree(src.out(stage), dest / "data" / stage)
     return Paths(dest)

@@ -8,9 +8,13 @@ import sys
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
+from odt_ops.onnxblock import optim
 from pipeline import config
 from pipeline.config import ConfigError
+from pipeline.convert import Arch, ModelSource
+from pipeline.selection import Select
 from tests.pipeline.conftest import REPO, load_cfg
 
 
@@ -31,26 +35,65 @@ def test_every_group_option_composes_and_validates(group, option):
 
 def test_defaults_and_types():
     cfg = load_cfg()
-    assert cfg.model.source is config.ModelSource.builtin and cfg.model.arch is config.Arch.mlp
-    assert cfg.optimizer.name is config.OptimizerName.adamw and isinstance(cfg.optimizer.lr, float)
-    assert list(cfg.optimizer.hparams.betas) == [0.9, 0.999]
-    assert cfg.trainable.select is config.Select.last_n and cfg.trainable.last_n == 1  # head only
+    assert cfg.model.source is ModelSource.builtin and cfg.model.arch is Arch.mlp
+    assert cfg.optimizer.block["_target_"] == "odt_ops.onnxblock.optim.AdamW" and isinstance(cfg.optimizer.lr, float)
+    assert cfg.optimizer.block["betas"] == [0.9, 0.999]
+    assert cfg.trainable.select is Select.last_n and cfg.trainable.last_n == 1  # head only
     sgd = load_cfg("optimizer=sgd", "optimizer.lr=0.1")
-    assert sgd.optimizer.hparams.momentum == 0.9 and sgd.optimizer.lr == 0.1
+    assert sgd.optimizer.block["momentum"] == 0.9 and sgd.optimizer.lr == 0.1
+    assert config.build(sgd.optimizer.block) == optim.SGD(momentum=0.9)  # the engine's block, built from conf/
+
+
+def test_sections_are_typed_dataclasses_with_every_value_from_conf():
+    """The YAML holds the values: a key missing from params.yaml is an error naming it, not a
+    default from Python."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    del params["train"]["epochs"]
+    with pytest.raises(ConfigError, match=r"^train.epochs: missing; expected an integer"):
+        config.validate(OmegaConf.create(params))
 
 
 @pytest.mark.parametrize(
     "overrides,needles",
     [
         (["optimizer.lrr=3e-3"], ["optimizer.lrr", "'optimizer' takes", "did you mean 'optimizer.lr'"]),
-        (["+optimizer.lrr=3e-3"], ["optimizer.lrr", "hparams, lr, name, schedule"]),
+        (["+optimizer.lrr=3e-3"], ["optimizer.lrr", "block, lr, schedule"]),
         (["model=cnnn"], ["model=cnnn", "cnn, mlp, onnx_file, torch"]),
         (["optimizer.lr=abc"], ["optimizer.lr='abc'", "expected a number"]),
-        (["optimizer.name=adam"], ["optimizer.name='adam'", "one of: adamw, sgd"]),
+        (["optimizer=adamm"], ["optimizer=adamm", "adam, adamw, sgd", "did you mean 'adam'"]),
         (["device.max_steps=many"], ["device.max_steps", "an integer or null"]),
         (["data.input_shape=[1,x,8]"], ["data.input_shape[1]", "an integer"]),
         (["train.shuffle=maybe"], ["train.shuffle", "true or false"]),
-        (["optimizer=sgd", "+optimizer.hparams.betas=[0.9,0.9]"], ["optimizer.hparams.betas", "momentum"]),
+        (["optimizer=sgd", "+optimizer.block.betas=[0.9,0.9]"],
+         ["optimizer.block.betas", "SGD takes: max_norm, momentum, nesterov, weight_decay", "argument of odt_ops.onnxblock.optim.Adam"]),
+        # _target_ is checked against the engine's classes before anything is imported or built
+        (["optimizer.block._target_=os.system"],
+         ["optimizer.block._target_='os.system'", "allowed targets: odt_ops.onnxblock.optim.Adam, odt_ops.onnxblock.optim.AdamW, "
+          "odt_ops.onnxblock.optim.SGD"]),
+        (["pretrain.optimizer._target_=builtins.eval"], ["pretrain.optimizer._target_='builtins.eval'", "odt_ops.onnxblock.optim.AdamW"]),
+        (["loss._target_=odt_ops.onnxblock.loss.MSE"], ["loss._target_='odt_ops.onnxblock.loss.MSE'",
+                                                         "did you mean 'odt_ops.onnxblock.loss.MSELoss'"]),
+        (["~optimizer.block._target_"], ["optimizer.block: needs _target_", "odt_ops.onnxblock.optim.SGD"]),
+        # constructor arguments: the target's own, named with the key
+        (["+optimizer.block.betass=[0.9,0.9]"], ["unknown key 'optimizer.block.betass'", "AdamW takes: betas, eps, max_norm, mode, weight_decay",
+                                                  "did you mean 'optimizer.block.betas'"]),
+        (["optimizer.block.betass=[0.9,0.9]"], ["optimizer.block.betass", "SGD: max_norm, momentum, nesterov, weight_decay"]),
+        (["loss=mse", "+loss.label_smoothing=0.1"], ["unknown key 'loss.label_smoothing'", "MSELoss takes: reduction",
+                                                     "argument of odt_ops.onnxblock.loss.CrossEntropyLoss only"]),
+        # the arguments' values
+        (["optimizer.block.betas=[0.9,1.0]"], ["optimizer.block.betas=[0.9, 1.0]", "two numbers in [0, 1)"]),
+        (["optimizer.block.betas=[-0.1,0.9]"], ["optimizer.block.betas=[-0.1, 0.9]", "two numbers in [0, 1)"]),
+        (["optimizer.block.eps=0"], ["optimizer.block.eps=0", "a number > 0"]),
+        (["optimizer=sgd", "optimizer.block.momentum=1.5"], ["optimizer.block.momentum=1.5", "[0, 1)"]),
+        (["optimizer=sgd", "optimizer.block.nesterov=maybe"], ["optimizer.block.nesterov='maybe'", "true or false"]),
+        (["loss.reduction=none"], ["loss.reduction='none'", "mean or sum"]),
+        (["pretrain.lr=0"], ["pretrain.lr=0.0", "a number > 0"]),
+        # what only the engine's constructor knows, reported with the node's key
+        (["optimizer=sgd", "optimizer.block.momentum=0", "optimizer.block.nesterov=true"],
+         ["optimizer.block: odt_ops.onnxblock.optim.SGD rejects its arguments", "nesterov needs momentum > 0"]),
+        # a nested section's check names the whole path
+        (["data.style.stroke=-1"], ["data.style.stroke=-1", "an integer >= 0"]),
+        (["federated.dp.clipping_norm=0"], ["federated.dp.clipping_norm=0.0", "a number > 0"]),
         (["optimizer.lr=-1"], ["optimizer.lr=-1.0", "a number > 0"]),
         (["trainable.select=globs"], ["trainable.params", "at least one glob"]),
         (["model=onnx_file", "model.path=null"], ["model.path=null", "zoo:<name>"]),
@@ -104,7 +147,7 @@ def test_dvc_yaml_stages_read_existing_params_and_never_tracking():
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     for name, stage in dvc["stages"].items():
         assert stage["cmd"] == f"sh pipeline/stage.sh {name}"  # python -m pipeline.<name>, with the project's python
-        assert f"pipeline/{name}.py" in stage["deps"] and "pipeline/config.py" in stage["deps"]
+        assert f"pipeline/{name}.py" in stage["deps"] and "pipeline/config" in stage["deps"]
         for dep in stage["deps"]:
             assert (REPO / dep).exists() or dep.startswith("data/") and dep.split("/")[1] in dvc["stages"], dep
         for key in stage["params"]:

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.paths import stages
 from tests.pipeline.conftest import TINY_CONF, dvc_env, project_copy
 
 pytest.importorskip("dvc")
 
-ALL = ["prepare", "convert", "pretrain", "generate", "train", "evaluate", "export", "federate"]
+ALL = list(stages())
 
 
 def dvc(repo: Path, env: dict, *args: str, ok: bool = True) -> tuple[list[str], str]:

@@ -101,7 +101,7 @@ def test_learning_rate_is_not_baked_into_the_artifacts(tiny_run, tmp_path):
     generate.run(load_cfg("optimizer.lr=0.0001"), b)
     for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"):
         assert digest(a.out("generate") / name) == digest(b.out("generate") / name), name
-    generate.run(load_cfg("optimizer.hparams.weight_decay=0.5"), b)  # a hyperparameter is baked in
+    generate.run(load_cfg("optimizer.block.weight_decay=0.5"), b)  # a hyperparameter is baked in
     assert digest(a.out("generate") / "optimizer_model.onnx") != digest(b.out("generate") / "optimizer_model.onnx")
 
 

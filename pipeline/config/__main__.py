@@ -1,0 +1,5 @@
+import sys
+
+from pipeline.config.load import main
+
+sys.exit(main())

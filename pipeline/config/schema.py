@@ -1,0 +1,240 @@
+"""The configuration schema: the building blocks each owner uses, and the collected ``Config``.
+
+A section's dataclass lives with the module that owns it (``CONFIG = {"section":
+Dataclass}`` in a stage module, or in ``tracking`` and ``retrain``); ``config_class()``
+collects them, so a new stage or option never edits this package. Rules every section
+follows:
+
+- no defaults in Python: every field is ``MISSING`` and conf/ holds the value (fields a
+  group option leaves out on purpose, such as ``model.path`` for a built-in model, are
+  ``None``);
+- the checks sit in the section (``Section.check``), run by ``__post_init__`` when
+  ``OmegaConf.to_object`` builds the typed configuration;
+- an engine block (a loss or an optimizer graph) is a ``_target_`` node, declared with
+  ``LOSS`` or ``OPTIMIZER``: its ``_target_`` must be one of the odt_ops.onnxblock classes
+  of that kind and its keys that class's constructor arguments, checked here before
+  Hydra's ``instantiate`` ever sees it (so params.yaml cannot import or run anything else).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+from pipeline.errors import ConfigError
+
+# Modules other than the stages that own a section (read by no stage: never a DVC param).
+SECTION_OWNERS = ("tracking", "retrain")
+
+
+class FieldError(ConfigError):
+    """A value out of range, raised by a section's check; ``validate`` adds the section's path."""
+
+    def __init__(self, owner: type, key: str, value: Any, expected: str):
+        super().__init__(f"{key}={show(value)}: expected {expected}")
+        self.owner, self.key, self.value, self.expected = owner, key, value, expected
+
+
+class Section:
+    """Base of the section dataclasses: ``check`` runs once every field holds a value
+    (OmegaConf first builds the bare schema, all ``MISSING``, and skips it then)."""
+
+    def __post_init__(self) -> None:
+        if _complete(self):
+            self.check()
+
+    def check(self) -> None:
+        """Range and cross-field checks, each with ``self.need``; none by default."""
+
+    def need(self, ok: bool, key: str, expected: str) -> None:
+        """``key`` (a field, or ``a.b`` inside a nested section) holds an allowed value, or a FieldError."""
+        if not ok:
+            value: Any = self
+            for part in key.split("."):
+                value = getattr(value, part)
+            raise FieldError(type(self), key, value, expected)
+
+
+def _complete(section: Any) -> bool:
+    """No field, nested sections' included, is still MISSING."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, str) and value == MISSING or is_dataclass(value) and not _complete(value):
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- engine blocks
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The odt_ops.onnxblock classes a ``_target_`` node of one kind may name: every
+    subclass of ``base`` defined in ``module`` (a new engine optimizer is allowed, and must
+    have its conf/ option: a test checks both sets are equal)."""
+
+    kind: str
+    module: str
+    base: str  # "module:Class"
+
+    def classes(self) -> dict[str, type]:
+        mod = importlib.import_module(self.module)
+        base_module, _, base_name = self.base.partition(":")
+        base = getattr(importlib.import_module(base_module), base_name)
+        return {f"{self.module}.{name}": cls for name, cls in sorted(vars(mod).items())
+                if isinstance(cls, type) and issubclass(cls, base) and cls is not base and cls.__module__ == self.module}
+
+    def field(self) -> Any:
+        """A dataclass field holding one such node (``_target_`` plus constructor arguments)."""
+        return field(default=MISSING, metadata={"blocks": self})
+
+
+LOSS = Blocks("loss", "odt_ops.onnxblock.loss", "odt_ops.onnxblock.base:Block")
+OPTIMIZER = Blocks("optimizer", "odt_ops.onnxblock.optim", "odt_ops.onnxblock.optim:Optimizer")
+
+# Constructor arguments a node may not set: derived state, or an object-valued alias
+# (an optimizer's clip_grad is max_norm as a ClipGradNorm object).
+NOT_ARGUMENTS = frozenset({"self", "state_names", "clip_grad"})
+
+
+def arguments(cls: type) -> list[str]:
+    """The keyword arguments of ``cls``'s constructor a conf/ node may set (the engine is their one source)."""
+    return sorted(p for p in inspect.signature(cls).parameters if p not in NOT_ARGUMENTS)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# What each constructor argument accepts, by name, for every block that takes it. The engine
+# checks some of these itself (with ValueError, reported too); the pipeline needs the rest
+# before any work, and a scalar loss to train on (reduction none is not for it).
+ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+              "two numbers in [0, 1)"),
+    "eps": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "weight_decay": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "momentum": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "nesterov": (lambda v: isinstance(v, bool), "true or false"),
+    "max_norm": (lambda v: v is None or _number(v) and v > 0, "null or a number > 0"),
+    "mode": (lambda v: v in ("ort", "torch"), "ort (onnxruntime's AdamW) or torch (torch.optim's)"),
+    "reduction": (lambda v: v in ("mean", "sum"), "mean or sum (training needs a scalar loss)"),
+    "label_smoothing": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "ignore_index": (lambda v: v is None or isinstance(v, int) and not isinstance(v, bool), "null or a class id"),
+    "weight": (lambda v: v is None or isinstance(v, (list, tuple)) and all(_number(w) and w >= 0 for w in v),
+               "null or a list of numbers >= 0"),
+    "pos_weight": (lambda v: v is None or isinstance(v, (list, tuple)) and all(_number(w) and w >= 0 for w in v),
+                   "null or a list of numbers >= 0"),
+}
+
+
+def check_block(key: str, node: Any, blocks: Blocks) -> None:
+    """``node`` (at ``key``) names an allowed class and only its arguments, with allowed values,
+    and the class accepts them; every failure is a ConfigError naming the key. Only then is
+    the node built (Hydra's instantiate), and only to let the constructor check it too."""
+    from hydra.utils import instantiate
+
+    from pipeline.config.messages import did_you_mean, unknown_block_key
+
+    allowed = blocks.classes()
+    if not isinstance(node, Mapping) or "_target_" not in node:
+        raise ConfigError(f"{key}: needs _target_, the {blocks.kind} class (one of: {', '.join(allowed)}), "
+                          "beside its constructor arguments")
+    target = node["_target_"]
+    if target not in allowed:
+        raise ConfigError(f"{key}._target_={show(target)}: not an allowed {blocks.kind}; allowed targets: {', '.join(allowed)}"
+                          + did_you_mean(str(target), list(allowed)))
+    cls = allowed[target]
+    for arg, value in node.items():
+        if arg == "_target_":
+            continue
+        if arg not in arguments(cls):
+            raise ConfigError(unknown_block_key(f"{key}.{arg}", blocks, target))
+        ok, expected = ARGUMENT_CHECKS.get(arg, (lambda v: True, ""))
+        if not ok(value):
+            raise ConfigError(f"{key}.{arg}={show(value)}: expected {expected}")
+    try:
+        instantiate(dict(node), _convert_="all")
+    except Exception as exc:  # the engine's constructors raise ValueError or TypeError on what they reject
+        cause = exc.__cause__ or exc
+        raise ConfigError(f"{key}: {target} rejects its arguments ({first_line(cause)})") from None
+
+
+def build(node: Mapping) -> Any:
+    """The engine block a validated node names (plain lists and dicts, not OmegaConf's)."""
+    from hydra.utils import instantiate
+
+    return instantiate(dict(node), _convert_="all")
+
+
+# --------------------------------------------------------------------------- the collected schema
+
+
+@functools.cache
+def config_class() -> type:
+    """``Config``: ``seed`` plus every section a stage module (dvc.yaml's stages) or a module
+    of SECTION_OWNERS declares in its ``CONFIG``; a section declared twice is an error."""
+    from pipeline.paths import stages
+
+    sections: dict[str, tuple[Any, str]] = {}
+    for name in (*stages(), *SECTION_OWNERS):
+        module = importlib.import_module(f"pipeline.{name}")
+        for section, spec in getattr(module, "CONFIG", {}).items():
+            if section in sections:
+                raise TypeError(f"config section {section!r} is declared by pipeline.{sections[section][1]} and pipeline.{name}")
+            sections[section] = (spec, name)
+    specs = [("seed", int, field(default=MISSING))]
+    for section, (spec, _) in sections.items():
+        if isinstance(spec, Blocks):
+            specs.append((section, dict[str, Any], spec.field()))
+        else:
+            specs.append((section, spec, field(default_factory=spec)))
+    return make_dataclass("Config", specs, bases=(Section,))
+
+
+def section_paths(schema: type, prefix: str = "") -> Iterator[tuple[str, type]]:
+    """(dotted path, section dataclass) for every nested section of ``schema``."""
+    for f in fields(schema):
+        tp = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(tp, type) and is_dataclass(tp):
+            path = f"{prefix}{f.name}"
+            yield path, tp
+            yield from section_paths(tp, path + ".")
+
+
+def block_nodes(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, Blocks]]:
+    """(dotted path, node, its Blocks) for every ``_target_`` field of a built configuration."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if "blocks" in f.metadata:
+            yield f"{prefix}{f.name}", value, f.metadata["blocks"]
+        elif is_dataclass(value):
+            yield from block_nodes(value, f"{prefix}{f.name}.")
+
+
+def show(value: Any) -> str:
+    """A config value as YAML would spell it."""
+    import enum
+
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
