@@ -6,9 +6,11 @@ import onnx
 from onnx import numpy_helper
 
 from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError
+from odt_ops.ir import symbolic
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.control_flow import implicit_inputs, node_reads
 from odt_ops.ir.model import Model
+
 
 # folding these would freeze a random draw or a training-time behaviour into a weight
 NOT_FOLDABLE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
@@ -268,10 +270,14 @@ SAME_TYPE_AS_INPUT = frozenset({"GroupNormalization"})
 
 
 def infer_shapes(model: Model) -> bool:
+    def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
+        return onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+
     try:
-        inferred = onnx.shape_inference.infer_shapes(model.proto, check_type=True, strict_mode=True, data_prop=True)
+        inferred = infer(model.proto)
         if _complete_same_type_outputs(inferred.graph):  # then propagate the types they give
-            inferred = onnx.shape_inference.infer_shapes(inferred, check_type=True, strict_mode=True, data_prop=True)
+            inferred = infer(inferred)
+        inferred = symbolic.refine_shapes(inferred, infer)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise ModelCheckError(f"{model.source}: shape inference failed: {exc}") from None
     model.proto = inferred
