@@ -72,8 +72,14 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config("lstm-adamw", "nn.LSTM(16, 64) over 20 steps, last state to 10 classes (torch-defined, exported), AdamW", (),
            (20, 16), "AdamW", 1e-3, torch="lstm", batches=(16, 64), default=False),
     Config("mobilenetv3-adamw", "MobileNetV3-small-like (depthwise, SE, HardSwish, BatchNorm) on 3x32x32 "
-           "(torch-defined, exported), AdamW", (), (3, 32, 32), "AdamW", 1e-3, torch="mobilenetv3", batches=(16, 64),
+           "(torch-defined, exported), AdamW", (), (3, 32, 32), "AdamW", 1e-3, torch="mobilenetv3", batches=(8, 32),
            default=False),
+    Config("efficientnet-adamw", "EfficientNet-B0-like, five MBConv blocks (depthwise, SiLU, Sigmoid-gated SE, "
+           "BatchNorm) on 3x32x32 (torch-defined, exported), AdamW", (), (3, 32, 32), "AdamW", 1e-3, torch="efficientnet",
+           batches=(8, 32), default=False),
+    Config("unet-adamw", "small UNet (MaxPool, ConvTranspose, bilinear Resize, GroupNorm, skips) on 1x32x32, "
+           "averaged into 10 classes (torch-defined, exported), AdamW", (), (1, 32, 32), "AdamW", 1e-3, torch="unet",
+           batches=(8, 32), default=False),
     Config("transformer-adamw", "2 x nn.TransformerEncoderLayer(64, 4 heads, ff 128) over 16 frames of 32 features "
            "(torch-defined, exported), AdamW", (), (16, 32), "AdamW", 1e-3, torch="transformer", batches=(16, 64),
            default=False),

@@ -181,7 +181,72 @@ class TransformerClassifier(torch.nn.Module):
         return self.head(x.mean(1))
 
 
-NETWORKS = {"lstm": LSTMClassifier, "mobilenetv3": MobileNetV3Small, "transformer": TransformerClassifier}
+class MBConv(torch.nn.Module):
+    """EfficientNet's block: expand 1x1, depthwise 3x3, Sigmoid-gated squeeze-excitation, project 1x1;
+    BatchNorm and SiLU; a residual when the shape allows."""
+
+    def __init__(self, c_in: int, expand: int, c_out: int, stride: int):
+        super().__init__()
+        mid = c_in * expand
+        self.expand = torch.nn.Sequential(torch.nn.Conv2d(c_in, mid, 1, bias=False), torch.nn.BatchNorm2d(mid), torch.nn.SiLU())
+        self.dw = torch.nn.Sequential(torch.nn.Conv2d(mid, mid, 3, stride=stride, padding=1, groups=mid, bias=False),
+                                      torch.nn.BatchNorm2d(mid), torch.nn.SiLU())
+        squeezed = max(1, c_in // 4)
+        self.se = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Conv2d(mid, squeezed, 1), torch.nn.SiLU(),
+                                      torch.nn.Conv2d(squeezed, mid, 1), torch.nn.Sigmoid())
+        self.project = torch.nn.Sequential(torch.nn.Conv2d(mid, c_out, 1, bias=False), torch.nn.BatchNorm2d(c_out))
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x):
+        y = self.dw(self.expand(x))
+        y = self.project(y * self.se(y))
+        return x + y if self.residual else y
+
+
+class EfficientNetSmall(torch.nn.Module):
+    """An EfficientNet-B0-like network for 3x32x32 images: stem, five MBConv blocks, 1x1, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(16),
+                                        torch.nn.SiLU())
+        self.blocks = torch.nn.Sequential(MBConv(16, 1, 16, 1), MBConv(16, 6, 24, 2), MBConv(24, 6, 24, 1),
+                                          MBConv(24, 6, 40, 2), MBConv(40, 6, 40, 1))
+        self.last = torch.nn.Sequential(torch.nn.Conv2d(40, 128, 1, bias=False), torch.nn.BatchNorm2d(128), torch.nn.SiLU())
+        self.head = torch.nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.head(self.last(self.blocks(self.stem(x))).mean((2, 3)))
+
+
+def _conv_gn(c_in: int, c_out: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(c_in, c_out, 3, padding=1), torch.nn.GroupNorm(4, c_out), torch.nn.ReLU())
+
+
+class UNetSmall(torch.nn.Module):
+    """A small UNet on 1x32x32: two levels down by max pooling, up once by ConvTranspose and once by
+    bilinear upsampling (Resize), skips concatenated, GroupNorm; the decoder's map averaged into 10 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1, self.enc2, self.mid = _conv_gn(1, 16), _conv_gn(16, 32), _conv_gn(32, 32)
+        self.up1 = torch.nn.ConvTranspose2d(32, 32, 2, stride=2)
+        self.dec1 = _conv_gn(64, 16)
+        self.up2 = torch.nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.dec2 = _conv_gn(32, 16)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        m = self.mid(F.max_pool2d(e2, 2))
+        d1 = self.dec1(torch.cat([self.up1(m), e2], dim=1))
+        d2 = self.dec2(torch.cat([self.up2(d1), e1], dim=1))
+        return self.head(d2.mean((2, 3)))
+
+
+NETWORKS = {"lstm": LSTMClassifier, "mobilenetv3": MobileNetV3Small, "transformer": TransformerClassifier,
+            "efficientnet": EfficientNetSmall, "unet": UNetSmall}
 
 
 def torch_network(name: str, weights: dict | None = None) -> torch.nn.Module:
