@@ -338,6 +338,12 @@ def _col2im(X: np.ndarray, W: np.ndarray, group: int, strides, dilations, first:
     N, C, *spatial = X.shape
     kernel, taps = W.shape[2:], math.prod(W.shape[2:])
     per_group = W.shape[1]
+    if taps == 1 and all(s == 1 for s in strides) and not any(first) and list(out) == spatial:
+        # pointwise (a 1x1 convolution's input gradient): every column lands on its own
+        # position, so the GEMM's result is the output; no col2im
+        Wt = W.reshape(group, C // group, per_group).transpose(0, 2, 1)
+        Y = np.matmul(Wt, X.reshape(N, group, C // group, -1))
+        return Y.reshape(N, group * per_group, *out)
     lead = [max(0, -f) for f in first]  # shifts coordinates so that none is negative
     reach = [(ld + (k - 1) * d) // s for ld, k, d, s in zip(lead, kernel, dilations, strides)]
     blocks = [max(n + c, -(-(ld + f + o) // s)) for n, c, ld, f, o, s in zip(spatial, reach, lead, first, out, strides)]
