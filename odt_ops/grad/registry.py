@@ -185,6 +185,17 @@ class GradContext:
         static = self.static_shape(name)
         return self.ints(static) if static is not None else self.b.Shape(name)
 
+    def reshape_target(self, name: str) -> str:
+        """A Reshape target giving ``name``'s shape: constant when at most one dim is unknown (as -1,
+        which Reshape infers from the size), a Shape node otherwise. Saves a Shape node per
+        reshape-like gradient under a dynamic batch."""
+        shape = self.b.shape(name)
+        if shape is not None:
+            unknown = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+            if len(unknown) <= 1 and all(d > 0 for d in shape if isinstance(d, int)):
+                return self.ints([d if isinstance(d, int) else -1 for d in shape])
+        return self.b.Shape(name)
+
     def zeros_like(self, name: str, dtype: np.dtype | None = None) -> str:
         zero = np.zeros((1,), dtype=dtype or self.dtype(name))
         return self.b.ConstantOfShape(self.shape_of(name), value=zero)

@@ -476,6 +476,82 @@ for _op in _FRESH_PRODUCTS:
     fused_op(f"{_op}Relu")(_then_relu(_op))
 
 
+# ---------------------------------------------------------------- sigmoid and tanh gradients
+
+
+@fusion("activation_grad")
+def _activation_grad(g: Graph) -> bool:
+    """The Sigmoid and Tanh gradient rules' three nodes -> one, which runs the same three ufuncs
+    into one fresh array instead of three (an LSTM step has five such gradients, a SiLU one):
+    Mul(dY, Mul(Y, Sub(1, Y))) -> SigmoidGrad(dY, Y, 1); Mul(dY, Sub(1, Mul(Y, Y))) -> TanhGrad(dY, Y, 1)."""
+    changed = False
+    for outer in [n for n in g.nodes if n.op_type == "Mul" and n.domain in STANDARD]:
+        match = _sigmoid_grad(g, outer) or _tanh_grad(g, outer)
+        if match is None:
+            continue
+        op_type, inner_nodes, y, one = match
+        fused = _fused_node(op_type, [outer.input[0], y, one], outer.output, f"fused/{outer.name or outer.output[0]}")
+        changed = g.replace([*inner_nodes, outer], fused) or changed
+    return changed
+
+
+def _is_one(g: Graph, name: str) -> bool:
+    value = g.constant(name)
+    return value is not None and value.size == 1 and value.ndim <= 1 and value.dtype.kind == "f" and value.reshape(-1)[0] == 1
+
+
+def _sigmoid_grad(g: Graph, outer: onnx.NodeProto):
+    product = g.producer(outer.input[1], "Mul")
+    minus = product and g.producer(product.input[1], "Sub")
+    if not (minus and g.sole_reader(product.output[0], "Mul", 1) is outer
+            and g.sole_reader(minus.output[0], "Mul", 1) is product):
+        return None
+    y = product.input[0]
+    if minus.input[1] != y or not _is_one(g, minus.input[0]):
+        return None
+    return "SigmoidGrad", [minus, product], y, minus.input[0]
+
+
+def _tanh_grad(g: Graph, outer: onnx.NodeProto):
+    minus = g.producer(outer.input[1], "Sub")
+    square = minus and g.producer(minus.input[1], "Mul")
+    if not (square and g.sole_reader(minus.output[0], "Mul", 1) is outer
+            and g.sole_reader(square.output[0], "Sub", 1) is minus):
+        return None
+    y = square.input[0]
+    if square.input[1] != y or not _is_one(g, minus.input[0]):
+        return None
+    return "TanhGrad", [square, minus], y, minus.input[0]
+
+
+def _activation_grad_op(first_with_y: bool) -> Factory:
+    """SigmoidGrad: t = 1 - Y; t = Y * t; dY * t. TanhGrad: t = Y * Y; t = 1 - t; dY * t. The same
+    ufuncs on the same operands as the three nodes (a product or sum written into one of its
+    own operands is the same product), so the same bits."""
+    def factory(attrs: dict, opset: int) -> Callable[..., tuple]:
+        mul, sub = _kernel("Mul", opset), _kernel("Sub", opset)
+
+        def run(dY, Y, one):
+            if dY.shape != Y.shape or dY.dtype != Y.dtype or Y.dtype not in (np.float32, np.float64) or one.dtype != Y.dtype:
+                t = mul(Y, sub(one, Y)[0])[0] if first_with_y else sub(one, mul(Y, Y)[0])[0]
+                return mul(dY, t)
+            if first_with_y:
+                t = np.subtract(one, Y)
+                np.multiply(Y, t, out=t)
+            else:
+                t = np.multiply(Y, Y)
+                np.subtract(one, t, out=t)
+            np.multiply(dY, t, out=t)
+            return (t,)
+
+        return run
+    return factory
+
+
+fused_op("SigmoidGrad")(_activation_grad_op(first_with_y=True))
+fused_op("TanhGrad")(_activation_grad_op(first_with_y=False))
+
+
 # ---------------------------------------------------------------- dividing by a tensor's size
 
 

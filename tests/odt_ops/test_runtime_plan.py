@@ -66,6 +66,30 @@ def test_mlp_fused_plan_equals_the_graph_as_written(tmp_path):
     assert not any(s.node.op_type == "Squeeze" for s in fused.steps)
 
 
+def _gated_mlp() -> onnx.ModelProto:
+    """x -> Gemm -> Sigmoid and Gemm -> Tanh, multiplied (an LSTM cell's output gate times its
+    squashed state) -> Gemm logits: the gradient has one Sigmoid and one Tanh rule."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+             for n, s in (("wg", (12, 8)), ("wc", (12, 8)), ("wo", (10, 12)))]
+    nodes = [helper.make_node("Gemm", ["x", "wg"], ["g"], transB=1, name="gate"),
+             helper.make_node("Sigmoid", ["g"], ["sg"], name="sigmoid"),
+             helper.make_node("Gemm", ["x", "wc"], ["c"], transB=1, name="cell"),
+             helper.make_node("Tanh", ["c"], ["tc"], name="tanh"),
+             helper.make_node("Mul", ["sg", "tc"], ["h"], name="gated"),
+             helper.make_node("Gemm", ["h", "wo"], ["logits"], transB=1, name="head")]
+    graph = helper.make_graph(nodes, "gated", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_sigmoid_and_tanh_gradients_fuse_bit_for_bit(tmp_path):
+    directory = _generate(tmp_path, _gated_mlp())
+    x, y = classification_data(16, features=8)
+    fused = _assert_fused_equals_unfused(directory, x, y)
+    assert Counter(fused.fusions)["SigmoidGrad"] == 1 and Counter(fused.fusions)["TanhGrad"] == 1
+
+
 @pytest.mark.parametrize("batchnorm", [False, True])
 def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
     directory = _generate(tmp_path, cnn(batchnorm=batchnorm), trainable=["conv*", "fc*", *(["bn1.weight", "bn1.bias"] if batchnorm else [])])

@@ -17,7 +17,7 @@ INT64_MAX = np.iinfo(np.int64).max
 
 def _reshape_back(ctx, dY):
     """dX = reshape(dY, shape(X))"""
-    return (ctx.b.Reshape(dY, ctx.shape_of(ctx.inputs[0])),)
+    return (ctx.b.Reshape(dY, ctx.reshape_target(ctx.inputs[0])),)
 
 
 for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
