@@ -39,11 +39,13 @@ def lower_opset(model: onnx.ModelProto, target: int, what: str) -> onnx.ModelPro
         raise ArtifactError(f"{what}: artifacts can be written at opset {LOWEST} or later, not {target}")
     lowered = onnx.ModelProto()
     lowered.CopyFrom(model)
-    types = _types(lowered)
+    types, ranks = _types(lowered)
     constants = {t.name: t for t in lowered.graph.initializer}
     problems = []
     for node in lowered.graph.node:
         problem = _lower_node(node, target, types, constants)
+        if problem is None and node.op_type == "Pad" and node.domain in ("", "ai.onnx") and target < 18:
+            problem = _pad_axes_to_full(node, ranks, constants, lowered.graph)
         if problem:
             problems.append(f"{node.name or node.op_type} ({node.op_type}): {problem}")
     if problems:
@@ -118,15 +120,39 @@ def _axes_to_attribute(node: onnx.NodeProto, constants: dict) -> str | None:
     return None
 
 
+def _pad_axes_to_full(node: onnx.NodeProto, ranks: dict, constants: dict, graph: onnx.GraphProto) -> str | None:
+    """Pad-18's ``axes`` input (the pads of some axes only) as Pad-13's pads for every axis."""
+    if len(node.input) < 4 or not node.input[3]:
+        return None
+    axes, pads, rank = constants.get(node.input[3]), constants.get(node.input[1]), ranks.get(node.input[0])
+    if axes is None or pads is None or rank is None:
+        return "its axes or pads are computed, or its input's rank is unknown; before opset 18 Pad takes pads for every axis"
+    listed = [int(a) % rank for a in np.atleast_1d(numpy_helper.to_array(axes))]
+    given = [int(p) for p in numpy_helper.to_array(pads).reshape(-1)]
+    full = [0] * (2 * rank)
+    for i, axis in enumerate(listed):
+        full[axis], full[rank + axis] = given[i], given[len(listed) + i]
+    name = f"{node.input[1]}/rank{rank}_axes{'_'.join(map(str, listed))}"  # pads constants are shared between nodes
+    if name not in constants:
+        constants[name] = numpy_helper.from_array(np.asarray(full, dtype=np.int64), name)
+        graph.initializer.append(constants[name])
+    node.input[1] = name
+    del node.input[3:]
+    return None
+
+
 def _drop_attribute(node: onnx.NodeProto, name: str) -> None:
     kept = [a for a in node.attribute if a.name != name]
     del node.attribute[:]
     node.attribute.extend(kept)
 
 
-def _types(model: onnx.ModelProto) -> dict[str, int]:
+def _types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
+    """Every value's element type and, where known, its rank."""
     inferred = onnx.shape_inference.infer_shapes(model).graph
-    types = {v.name: v.type.tensor_type.elem_type for v in (*inferred.input, *inferred.value_info, *inferred.output)
-             if v.type.HasField("tensor_type")}
+    values = [v for v in (*inferred.input, *inferred.value_info, *inferred.output) if v.type.HasField("tensor_type")]
+    types = {v.name: v.type.tensor_type.elem_type for v in values}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
     types.update({t.name: t.data_type for t in model.graph.initializer})
-    return types
+    ranks.update({t.name: len(t.dims) for t in model.graph.initializer})
+    return types, ranks
