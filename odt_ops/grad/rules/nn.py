@@ -94,7 +94,9 @@ def batch_normalization_grad(ctx, dY, d_running_mean=None, d_running_var=None):
         sum_dyx = b.ReduceSum(b.Mul(dY, xhat), axes, keepdims=1)
         dX = None
         if ctx.needs(0):
-            spread = b.Mul(b.Add(sum_dy, b.Mul(xhat, sum_dyx)), _inverse_count(ctx, X, sum_dy))
+            # the count from the scale (one per channel, as sum_dy has), not from sum_dy: then the
+            # gradient's own values stay inside it (the runtime fuses it: runtime/fusion.py)
+            spread = b.Mul(b.Add(sum_dy, b.Mul(xhat, sum_dyx)), _inverse_count(ctx, X, scale))
             dX = b.Mul(b.Mul(s, inv_std), b.Sub(dY, spread))
         squeeze = lambda v, like: _like(ctx, b.Squeeze(v, axes), like)  # noqa: E731
         return (dX, squeeze(sum_dyx, scale) if ctx.needs(1) else None, squeeze(sum_dy, B) if ctx.needs(2) else None)
