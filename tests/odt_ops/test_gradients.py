@@ -513,6 +513,16 @@ def test_slice_runtime_bounds(shape, seed, data):
 
 
 @SETTINGS
+@given(shape=shapes(1, 3), seed=seeds(), data=st.data())
+def test_gather_of_one_constant_index(shape, seed, data):
+    """A constant scalar index (attention's q, k, v = qkv[i]): the gradient pads dY back to X's shape."""
+    rng = np.random.default_rng(seed)
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    index = np.array(data.draw(st.integers(-shape[axis], shape[axis] - 1)), np.int64)
+    check("shape", node("Gather", ["X", "I"], axis=axis), {"X": normal(rng, shape)}, initializers={"I": index})
+
+
+@SETTINGS
 @given(shape=shapes(1, 3), seed=seeds(), index_shape=shapes(0, 2), data=st.data())
 def test_gather(shape, seed, index_shape, data):
     """Indices repeat and may be negative: the gradient adds the repeats up."""

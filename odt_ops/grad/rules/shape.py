@@ -126,6 +126,14 @@ def gather_grad(ctx, dY):
     b, (X, indices) = ctx.b, ctx.inputs[:2]
     rank, q = ctx.rank(X), ctx.rank(indices)
     axis = ctx.attrs["axis"] % rank if rank else 0
+    picked, shape = ctx.value(indices), ctx.b.shape(X)
+    if picked is not None and picked.ndim == 0 and shape is not None and isinstance(shape[axis], int):
+        # one constant index (attention's q, k, v = qkv[0], qkv[1], qkv[2]): dY padded with zeros
+        # along the axis, no scatter into a zero tensor
+        i = int(picked) % shape[axis]
+        pads = [0] * (2 * rank)
+        pads[axis], pads[rank + axis] = i, shape[axis] - 1 - i
+        return b.Pad(b.Unsqueeze(dY, ctx.ints([axis])), ctx.ints(pads)), None
     index = b.Unsqueeze(indices, ctx.ints([-1]))
     if axis == 0:
         return b.ScatterND(ctx.zeros_like(X), index, dY, reduction="add"), None
