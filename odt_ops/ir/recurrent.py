@@ -267,6 +267,29 @@ class _Unroller:
         """``n`` slices of ``x`` along ``axis``, that axis removed (one Split: its gradient is a Concat)."""
         return [self.squeeze(part, [axis]) for part in self.split(x, [1] * n, axis)]
 
+    def time_steps(self, x: str) -> list[str]:
+        """Per time step, the [batch, G*H] slice of the projection ``x`` ([T, batch, G*H], or
+        [batch, T, G*H] in layout 1): flattened so that the steps are equal blocks along one axis,
+        then one even Split. No Squeeze per step, and in the gradient no Reshape per step."""
+        if self.T == 1 or self.b.opset < 13:  # older opsets: Split and Squeeze by attribute
+            return self.unstack(x, self.layout, self.T)
+        width = self.gates * self.H
+        flat = self.b.Reshape(x, self.ints([-1, width] if self.layout == 0 else [0, -1]))
+        axis = self.layout
+        if self.b.opset >= 18:
+            return self.b.op_multi("Split", [flat], self.T, axis=axis, num_outputs=self.T)
+        return self.b.op_multi("Split", [flat], self.T, axis=axis)  # no sizes: even parts, one per output
+
+    def stacked(self, ys: list[str]) -> str:
+        """One direction's outputs, [batch, H] per step, as Y's [T, 1, batch, H] (or [batch, T, 1, H]
+        in layout 1): one Concat and one Reshape rather than an Unsqueeze per step."""
+        b, T, H = self.b, self.T, self.H
+        axes = [0, 1] if self.layout == 0 else [1, 2]
+        if T == 1 or self.b.opset < 13:
+            return b.Concat(*[self.unsqueeze(v, axes) for v in ys], axis=axes[0]) if T > 1 else self.unsqueeze(ys[0], axes)
+        joined = b.Concat(*ys, axis=self.layout)  # [T*batch, H] or [batch, T*H]
+        return b.Reshape(joined, self.ints([T, 1, -1, H] if self.layout == 0 else [0, T, 1, H]))
+
     def per_direction(self, x: str, axis: int) -> list[str]:
         return self.unstack(x, axis, self.D) if x else [""] * self.D
 
@@ -307,7 +330,7 @@ class _Unroller:
                 else:
                     bias = b.Add(Wb, Rb)
                 xw = b.Add(xw, bias)
-            steps = self.unstack(xw, self.layout, T)
+            steps = self.time_steps(xw)
             RT = b.Transpose(Rs[d], perm=[1, 0])  # [H, G*H]
             cell = self.cell_fn(d, RT, Ps[d], Rb_h, lbr)
             h, c = h0s[d] or None, c0s[d] or None
@@ -328,10 +351,8 @@ class _Unroller:
             cs.append(c)
         Y, Y_h, Y_c = (self.outputs + ["", "", ""])[:3]
         if Y:
-            axes = [0, 1] if self.layout == 0 else [1, 2]  # Y: [T, D, batch, H] or [batch, T, D, H]
-            per_dir = [b.Concat(*[self.unsqueeze(v, axes) for v in y], axis=axes[0]) if T > 1 else self.unsqueeze(y[0], axes)
-                       for y in ys]
-            self.produce(per_dir[0] if self.D == 1 else b.Concat(*per_dir, axis=axes[1]), Y)
+            per_dir = [self.stacked(y) for y in ys]  # Y: [T, D, batch, H] or [batch, T, D, H]
+            self.produce(per_dir[0] if self.D == 1 else b.Concat(*per_dir, axis=1 if self.layout == 0 else 2), Y)
         for name, states in ((Y_h, hs), (Y_c, cs)):
             if name:
                 parts = [self.unsqueeze(s, [state_axis]) for s in states]
@@ -398,6 +419,13 @@ class _Unroller:
 
         def lstm(x, h, c):
             gates = self.add(x, b.MatMul(h, RT) if h else None)
+            if not P and not input_forget:
+                # the three gates i, o, f are adjacent and share f: one activation over them (and one
+                # gradient), three times fewer small nodes per step than a call per gate
+                iof, cand = self.split(gates, [3 * H, H], 1)
+                i, o, fg = self.split(f(self.clipped(iof)), [H, H, H], 1)
+                c_new = self.add(b.Mul(i, g(self.clipped(cand))), b.Mul(fg, c) if c else None)
+                return b.Mul(o, hact(c_new)), c_new
             i, o, fg, cand = self.split(gates, [H, H, H, H], 1)
             if p_i and c:
                 i = b.Add(i, b.Mul(p_i, c))

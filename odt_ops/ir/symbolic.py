@@ -129,19 +129,16 @@ def _learn(graph: onnx.GraphProto) -> dict[str, list[Dim]]:
         value = _propagate(node, values, shapes)
         if value is not None and node.output:
             values[node.output[0]] = value
-        dims = _output_dims(node, values, shapes)
-        if dims is None:
-            continue
-        out = node.output[0]
-        known = shapes.get(out)
-        if known is None or len(known) != len(dims):
-            better = known is None and not any(d is None for d in dims)
-        else:
-            dims = [k if not is_unknown(k) else d for k, d in zip(known, dims)]
-            better = any(is_unknown(k) and not is_unknown(d) for k, d in zip(known, dims))
-        if better:
-            learned[out] = dims
-            shapes[out] = dims
+        for out, dims in _output_dims(node, values, shapes):
+            known = shapes.get(out)
+            if known is None or len(known) != len(dims):
+                better = known is None and not any(d is None for d in dims)
+            else:
+                dims = [k if not is_unknown(k) else d for k, d in zip(known, dims)]
+                better = any(is_unknown(k) and not is_unknown(d) for k, d in zip(known, dims))
+            if better:
+                learned[out] = dims
+                shapes[out] = dims
     return learned
 
 
@@ -227,8 +224,27 @@ def _propagate(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str
     return None
 
 
-def _output_dims(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str, list[Dim] | None]) -> list[Dim] | None:
-    """The output shape of a node that takes a computed shape, from its symbolic value."""
+def _output_dims(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str, list[Dim] | None]) -> list[tuple[str, list[Dim]]]:
+    """(output, shape) for the outputs the symbolic values decide: a node that takes a computed
+    shape, and an even Split of a symbolic axis (onnx gives its parts fresh dims)."""
+    if node.op_type == "Split":
+        return _even_split(node, values, shapes)
+    dims = _shape_taking_output(node, values, shapes)
+    return [] if dims is None or not node.output else [(node.output[0], dims)]
+
+
+def _even_split(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str, list[Dim] | None]) -> list[tuple[str, list[Dim]]]:
+    data = shapes.get(node.input[0])
+    if data is None or (len(node.input) > 1 and node.input[1]) or _attr(node, "split") is not None:
+        return []  # explicit sizes: onnx's inference already gives their dims
+    axis = _attr(node, "axis", 0) % max(len(data), 1)
+    part = _format(_div(_parse(data[axis]), (len(node.output), ())))
+    if part is None:
+        return []
+    return [(out, [part if i == axis else d for i, d in enumerate(data)]) for out in node.output if out]
+
+
+def _shape_taking_output(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str, list[Dim] | None]) -> list[Dim] | None:
     op, ins = node.op_type, list(node.input)
     if op not in ("ConstantOfShape", "Expand", "Reshape") or len(ins) < 1:
         return None

@@ -452,6 +452,15 @@ def test_expand(pair, seed):
 
 
 @SETTINGS
+@given(shape=shapes(1, 3), n=st.integers(2, 4), seed=seeds())
+def test_concat_of_equal_symbolic_parts(shape, n, seed):
+    """Parts concatenated along their symbolic batch (a recurrence's steps): an even Split back."""
+    rng = np.random.default_rng(seed)
+    inputs = {f"X{i}": normal(rng, shape) for i in range(n)}
+    check("shape", node("Concat", list(inputs), axis=0), inputs, symbolic=set(inputs))
+
+
+@SETTINGS
 @given(shape=shapes(1, 3), n=st.integers(1, 3), seed=seeds(), data=st.data())
 def test_concat(shape, n, seed, data):
     rng = np.random.default_rng(seed)

@@ -60,6 +60,9 @@ def concat_grad(ctx, dY):
     sizes = [_dim(ctx, x, axis) for x in inputs]
     if all(isinstance(s, int) for s in sizes):
         split = ctx.ints(sizes)
+    elif isinstance(sizes[0], str) and len(set(sizes)) == 1 and ctx.b.opset >= 18:
+        # equal symbolic parts (a recurrence's steps, each [batch, H]): an even split, no Shape per part
+        return tuple(b.op_multi("Split", [dY], len(inputs), axis=axis, num_outputs=len(inputs)))
     else:
         split = b.Concat(*[b.Shape(x, start=_axis(ctx, x, axis), end=_axis(ctx, x, axis) + 1) for x in inputs], axis=0)
     return tuple(b.op_multi("Split", [dY, split], len(inputs), axis=axis))
