@@ -24,6 +24,8 @@ from odt_ops.kernels.registry import kernel
 
 def _ints(values) -> list[int]:
     """A shape-like input (1-D int tensor) or attribute list as Python ints."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        return values.reshape(-1).tolist()  # tolist gives Python ints already
     return [int(v) for v in np.asarray(values).reshape(-1).tolist()]
 
 
@@ -265,10 +267,15 @@ def _split(input: np.ndarray, sizes, axis: int, parts: int, *, uneven: bool) -> 
         sizes = [chunk] * (parts - 1) + [dim - chunk * (parts - 1)]
     else:
         sizes = _ints(sizes)
-    if any(s < 0 for s in sizes) or sum(sizes) != dim:
+    if min(sizes) < 0 or sum(sizes) != dim:
         raise ValueError(f"Split sizes {sizes} do not partition axis {axis} of size {dim}")
-    ends = np.cumsum(sizes).tolist()
-    return tuple(input[_along(axis, slice(e - s, e))] for s, e in zip(sizes, ends))
+    # plain Python over the few sizes: an LSTM step splits small gates dozens of times per step,
+    # where np.cumsum and per-part helpers cost more than the views they make
+    lead, parts, start = (slice(None),) * axis, [], 0
+    for size in sizes:
+        parts.append(input[(*lead, slice(start, start + size))])
+        start += size
+    return tuple(parts)
 
 
 @kernel("Split", since=1)
