@@ -587,96 +587,118 @@ def _divide_by_size_op(attrs: dict, opset: int) -> Callable[..., tuple]:
 
 @fusion("batch_norm_grad")
 def _batch_norm_grad(g: Graph) -> bool:
-    """The BatchNormalization rule's training-mode gradient (grad/rules/nn.py: the batch statistics
-    recomputed, then dX = scale * inv_std * (dY - (sum(dY) + xhat * sum(dY * xhat)) * 1/M)), some
-    sixteen nodes, -> one node that runs the same kernels and ufuncs on the same operands, with two
-    arrays of X's size instead of nine (and sixteen fewer dispatches per BatchNormalization)."""
+    """The BatchNormalization rule's training-mode gradient (grad/rules/nn.py, _batch_norm_training_grad:
+    nine passes over X-sized data, and some fifteen small per-channel nodes) -> one node that runs
+    the same kernels and ufuncs on the same operands, into two arrays of X's size instead of six."""
     changed = False
-    for mul in [n for n in g.nodes if n.op_type == "Mul" and n.domain in STANDARD]:
-        match = _match_batch_norm_grad(g, mul)
-        if match is None:
-            continue
-        nodes, inputs, outputs, axes = match
-        fused = _fused_node("BatchNormalizationTrainingGrad", inputs, outputs, f"fused/{mul.name or mul.output[0]}", axes=axes)
-        changed = g.replace(nodes, fused) or changed
+    for sub in [n for n in g.nodes if n.op_type == "Sub" and n.domain in STANDARD]:
+        match = _match_batch_norm_grad(g, sub)
+        if match is not None:
+            nodes, inputs, outputs, attrs = match
+            fused = _fused_node("BatchNormalizationTrainingGrad", inputs, outputs, f"fused/{sub.name or sub.output[0]}", **attrs)
+            changed = g.replace(nodes, fused) or changed
     return changed
 
 
-def _match_batch_norm_grad(g: Graph, dx_mul: onnx.NodeProto):
-    """(nodes, [X, dY, scale, inverse count, epsilon], [dX, sum(dY), sum(dY * xhat)], axes) if ``dx_mul``
-    ends the rule's training gradient, else None. Every value but the two sums stays inside."""
-    scaled = g.producer(dx_mul.input[0], "Mul")  # scale * inv_std
-    diff = g.producer(dx_mul.input[1], "Sub")  # dY - spread
-    spread = diff and g.producer(diff.input[1], "Mul")  # (sum_dy + xhat * sum_dyx) * k
-    total = spread and g.producer(spread.input[0], "Add")
-    tilted = total and g.producer(total.input[1], "Mul")  # xhat * sum_dyx
-    if not (scaled and tilted):
+class _Chain:
+    """Walks producers from a node, remembering every node it passes, for one pattern match."""
+
+    def __init__(self, g: Graph):
+        self.g, self.nodes = g, []
+
+    def __call__(self, name: str, op_type: str) -> onnx.NodeProto:
+        node = self.g.producer(name, op_type)
+        if node is None:
+            raise LookupError(name)
+        if all(node is not n for n in self.nodes):
+            self.nodes.append(node)
+        return node
+
+
+def _match_batch_norm_grad(g: Graph, sub: onnx.NodeProto):
+    """(nodes, inputs, outputs, attributes) if ``sub`` ends the rule's training gradient, else None.
+    Every value inside stays inside, but d scale and sum(dY)."""
+    walk = _Chain(g)
+    try:
+        p0, corr = walk(sub.input[0], "Mul"), walk(sub.input[1], "Add")
+        ua, p1 = walk(p0.input[1], "Unsqueeze"), walk(corr.input[0], "Mul")
+        ut, us = walk(p1.input[1], "Unsqueeze"), walk(corr.input[1], "Unsqueeze")
+        tilt, shift = walk(ut.input[0], "Mul"), walk(us.input[0], "Mul")
+        t2, t3 = walk(tilt.input[0], "Mul"), walk(shift.input[0], "Mul")
+        a, t1 = walk(ua.input[0], "Mul"), walk(t2.input[1], "Mul")
+        sum_dy, dscale = walk(t3.input[1], "ReduceSum"), walk(t1.input[1], "Mul")
+        inv, e2 = walk(a.input[1], "Reciprocal"), walk(dscale.input[0], "Einsum")
+        root = walk(inv.input[0], "Sqrt")
+        shifted = walk(root.input[0], "Add")
+        var = walk(shifted.input[0], "Mul")
+        e1 = walk(var.input[0], "Einsum")
+        centered = walk(e1.input[0], "Sub")
+        mean = walk(centered.input[1], "ReduceMean")
+    except LookupError:
         return None
-    dY, xhat, sum_dy_name, sum_dyx_name, k = diff.input[0], tilted.input[0], total.input[0], tilted.input[1], spread.input[1]
-    sum_dy, sum_dyx = g.producer(sum_dy_name, "ReduceSum"), g.producer(sum_dyx_name, "ReduceSum")
-    product = sum_dyx and g.producer(sum_dyx.input[0], "Mul")  # dY * xhat
-    normalized = g.producer(xhat, "Mul")  # centered * inv_std
-    inv = normalized and g.producer(normalized.input[1], "Reciprocal")
-    root = inv and g.producer(inv.input[0], "Sqrt")
-    shifted = root and g.producer(root.input[0], "Add")  # var + eps
-    var = shifted and g.producer(shifted.input[0], "ReduceMean")
-    square = var and g.producer(var.input[0], "Mul")
-    centered = normalized and g.producer(normalized.input[0], "Sub")
-    mean = centered and g.producer(centered.input[1], "ReduceMean")
-    if not (sum_dy and product and mean and square and shifted):
+    X, dY, c, count = centered.input[0], p0.input[0], centered.output[0], var.input[1]
+    equation = node_attributes(e1).get("equation")
+    same = [list(e1.input) == [c, c], list(e2.input) == [dY, c], node_attributes(e2).get("equation") == equation,
+            list(p1.input) == [c, ut.output[0]], t2.input[0] == a.output[0], t3.input[0] == a.output[0],
+            list(t1.input) == [inv.output[0], dscale.output[0]], dscale.input[1] == inv.output[0],
+            tilt.input[1] == count and shift.input[1] == count, mean.input[0] == X, sum_dy.input[0] == dY,
+            g.constant(shifted.input[1]) is not None, not _is_computed_inside(walk.nodes, count)]
+    axes, reduced = g.ints(mean, 1, "axes"), g.ints(sum_dy, 1, "axes")
+    spread = [g.ints(u, 1, "axes") for u in (ua, ut, us)]
+    if not all(same) or not equation or axes is None or axes != reduced or spread[0] is None or any(s != spread[0] for s in spread) \
+            or node_attributes(mean).get("keepdims", 1) != 1 or node_attributes(sum_dy).get("keepdims", 1) != 0 \
+            or any(node_attributes(r).get("noop_with_empty_axes", 0) for r in (mean, sum_dy)):
         return None
-    X = centered.input[0]
-    if not (sum_dy.input[0] == dY and list(product.input) == [dY, xhat] and scaled.input[1] == inv.output[0]
-            and list(square.input) == [centered.output[0]] * 2 and mean.input[0] == X and g.constant(shifted.input[1]) is not None):
-        return None
-    reductions = (mean, var, sum_dy, sum_dyx)
-    axes = [g.ints(r, 1, "axes") for r in reductions]
-    keep = [node_attributes(r).get("keepdims", 1) for r in reductions]
-    if axes[0] is None or any(a != axes[0] for a in axes) or keep != [1, 1, 1, 1] \
-            or any(node_attributes(r).get("noop_with_empty_axes", 0) for r in reductions):
-        return None
-    nodes = [mean, centered, square, var, shifted, root, inv, normalized, sum_dy, product, sum_dyx, tilted, total, spread,
-             scaled, diff, dx_mul]
+    nodes = [*walk.nodes, sub]
     inside = {id(n) for n in nodes}
-    outside = [o for n in nodes for o in n.output if o not in (dx_mul.output[0], sum_dy_name, sum_dyx_name)
-               if o in g.keep or any(id(r) not in inside for r in g.consumers(o))]
-    if outside:
+    leaving = (sub.output[0], dscale.output[0], sum_dy.output[0])
+    if any(o not in leaving and (o in g.keep or any(id(r) not in inside for r in g.consumers(o))) for n in nodes for o in n.output):
         return None
-    return (nodes, [X, dY, scaled.input[0], k, shifted.input[1]], [dx_mul.output[0], sum_dy_name, sum_dyx_name], axes[0])
+    inputs = [X, dY, a.input[0], count, shifted.input[1]]
+    return nodes, inputs, list(leaving), {"axes": axes, "equation": equation, "spread": spread[0]}
 
 
-def _reducer(op_type: str, opset: int, axes: list[int]) -> Callable[[np.ndarray], np.ndarray]:
-    """The ``op_type`` kernel in force at ``opset`` over ``axes`` with keepdims, however that
-    version takes its axes (an input from ReduceSum-13 and ReduceMean-18 on, an attribute before)."""
+def _is_computed_inside(nodes: Sequence[onnx.NodeProto], name: str) -> bool:
+    return any(name in n.output for n in nodes)
+
+
+def _reducer(op_type: str, opset: int, axes: list[int], keepdims: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The ``op_type`` kernel in force at ``opset`` over ``axes``, however that version takes its
+    axes (an input from ReduceSum-13 and ReduceMean-18 on, an attribute before)."""
     entry = lookup("", op_type, opset)
     if entry is None:
         raise AssertionError(f"fused op needs a kernel for {op_type} at opset {opset}")
     param = inspect.signature(entry.fn).parameters.get("axes")
     if param is not None and param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
         as_input = np.asarray(axes, dtype=np.int64)
-        return lambda x: entry.fn(x, as_input, keepdims=1)[0]
-    return lambda x: entry.fn(x, axes=list(axes), keepdims=1)[0]
+        return lambda x: entry.fn(x, as_input, keepdims=keepdims)[0]
+    return lambda x: entry.fn(x, axes=list(axes), keepdims=keepdims)[0]
 
 
 @fused_op("BatchNormalizationTrainingGrad")
 def _batch_norm_training_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
-    mean, total = _reducer("ReduceMean", opset, attrs["axes"]), _reducer("ReduceSum", opset, attrs["axes"])
+    mean, total = _reducer("ReduceMean", opset, attrs["axes"], 1), _reducer("ReduceSum", opset, attrs["axes"], 0)
+    einsum = _kernel("Einsum", opset, equation=attrs["equation"])
     sqrt, reciprocal = _kernel("Sqrt", opset), _kernel("Reciprocal", opset)
+    spread = attrs["spread"]
 
-    def run(X, dY, scale, k, eps):
-        # each line is one node of the rule, in its order; the big arrays are `work` and `centered`
-        centered = np.subtract(X, mean(X))
-        work = np.multiply(centered, centered)
-        inv = reciprocal(sqrt(np.add(mean(work), eps))[0])[0]
-        if work.shape != X.shape or centered.shape != X.shape or dY.shape != X.shape or dY.dtype != X.dtype:
-            raise AssertionError("BatchNormalizationTrainingGrad: operands do not share X's shape and type")
-        xhat = np.multiply(centered, inv, out=centered)
+    def run(X, dY, scale, count, eps):
+        def channels(v):  # Unsqueeze(v, spread): a view of the same values
+            return v.reshape([1 if axis in spread else -1 for axis in range(len(spread) + 1)])
+
+        if dY.shape != X.shape or dY.dtype != X.dtype:
+            raise AssertionError("BatchNormalizationTrainingGrad: dY does not have X's shape and type")
+        # one line per node of the rule, in its order; the two arrays of X's size are c and out
+        c = np.subtract(X, mean(X))
+        inv = reciprocal(sqrt(np.add(np.multiply(einsum(c, c)[0], count), eps))[0])[0]
         sum_dy = total(dY)
-        sum_dyx = total(np.multiply(dY, xhat, out=work))
-        np.multiply(xhat, sum_dyx, out=work)
-        np.add(sum_dy, work, out=work)
-        np.multiply(work, k, out=work)
-        np.subtract(dY, work, out=work)
-        return np.multiply(np.multiply(scale, inv), work, out=work), sum_dy, sum_dyx
+        dscale = np.multiply(einsum(dY, c)[0], inv)
+        a = np.multiply(scale, inv)
+        tilt = np.multiply(np.multiply(a, np.multiply(inv, dscale)), count)
+        shift = np.multiply(np.multiply(a, sum_dy), count)
+        correction = np.multiply(c, channels(tilt), out=c)
+        np.add(correction, channels(shift), out=correction)
+        out = np.multiply(dY, channels(a))
+        return np.subtract(out, correction, out=out), dscale, sum_dy
 
     return run
