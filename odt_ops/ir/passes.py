@@ -11,7 +11,6 @@ from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.control_flow import implicit_inputs, node_reads
 from odt_ops.ir.model import Model
 
-
 # folding these would freeze a random draw or a training-time behaviour into a weight
 NOT_FOLDABLE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
 

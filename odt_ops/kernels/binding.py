@@ -7,16 +7,84 @@ without the loader importing the runtime.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
-from odt_ops.errors import ModelCheckError, UnsupportedOpError, node_label
+from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError, node_label
 from odt_ops.ir.attributes import node_attributes
-from odt_ops.ir.control_flow import all_nodes, implicit_inputs
-from odt_ops.kernels.control_flow import Scope
+from odt_ops.ir.control_flow import all_nodes, implicit_inputs, outer_reads
+from odt_ops.ir.order import topological_order
 from odt_ops.kernels.registry import lookup
+
+# (graph, opsets, constants, input names, output names, rng) -> something with .run(feeds) -> outputs
+SubgraphCompiler = Callable[..., Any]
+
+
+@dataclass
+class Scope:
+    """What a control-flow kernel needs beyond its attributes: the names of the outer values
+    appended to its inputs, the opsets its subgraphs run at, the session's generator, and how to
+    compile a subgraph. The runtime passes its Plan (so bodies run as compiled plans); without
+    one (the loader folding a constant node) each body runs node by node here, so the kernels
+    never import the runtime."""
+
+    outer: tuple[str, ...]
+    opsets: Mapping[str, int]
+    rng: np.random.Generator | None = None
+    label: str = ""
+    compile: SubgraphCompiler | None = None
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def split(self, args: Sequence) -> tuple[tuple, tuple]:
+        """(the node's own inputs, the outer values)."""
+        n = len(args) - len(self.outer)
+        return tuple(args[:n]), tuple(args[n:])
+
+    def run(self, graph: onnx.GraphProto, inputs: Sequence, outer: Sequence) -> list:
+        """Run ``graph`` on its formal ``inputs``, its outer reads taken from ``outer``."""
+        plan, picks = self._plan(graph)
+        try:
+            return plan.run([*inputs, *(outer[i] for i in picks)])
+        except OdtError as exc:
+            raise KernelError(f"{self.label}, subgraph {graph.name!r}: {exc}") from exc
+
+    def _plan(self, graph: onnx.GraphProto):
+        hit = self._plans.get(id(graph))
+        if hit is None or hit[0] is not graph:
+            reads = outer_reads(graph)
+            constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+            plan = (self.compile or _NodeByNode)(graph, self.opsets, constants, [i.name for i in graph.input] + reads,
+                                                 [o.name for o in graph.output], self.rng)
+            hit = self._plans[id(graph)] = (graph, plan, [self.outer.index(n) for n in reads])
+        return hit[1], hit[2]
+
+
+class _NodeByNode:
+    """A subgraph run one node at a time through the kernels (the loader's fallback; plans are faster)."""
+
+    def __init__(self, graph: onnx.GraphProto, opsets: Mapping[str, int], constants: Mapping[str, np.ndarray],
+                 input_names: Sequence[str], output_names: Sequence[str], rng: np.random.Generator | None = None):
+        self.input_names, self.output_names, self.constants = list(input_names), list(output_names), dict(constants)
+        available = set(self.constants) | set(self.input_names)
+        self.steps = []
+        for node in topological_order(graph.node, available):
+            opset = opsets.get("" if node.domain == "ai.onnx" else node.domain, 0)
+            ins = [*node.input, *implicit_inputs(node)]
+            self.steps.append((bind_kernel(node, opset, rng, opsets), ins, list(node.output)))
+
+    def run(self, feeds: Sequence) -> list:
+        values = {**self.constants, **dict(zip(self.input_names, feeds)), "": None}
+        for fn, ins, outs in self.steps:
+            args = [values[n] for n in ins]
+            while args and args[-1] is None and ins[len(args) - 1] == "":
+                args.pop()  # trailing omitted inputs take the kernel's defaults
+            values.update(zip(outs, fn(*args)))
+        return [values[n] for n in self.output_names]
 
 
 def missing_kernels(nodes: Iterable[onnx.NodeProto], opsets: Mapping[str, int]) -> dict[tuple[str, str, int], list[str]]:
@@ -31,9 +99,10 @@ def missing_kernels(nodes: Iterable[onnx.NodeProto], opsets: Mapping[str, int]) 
 
 
 def bind_kernel(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None = None,
-                opsets: Mapping[str, int] | None = None) -> Callable[..., tuple]:
+                opsets: Mapping[str, int] | None = None, compile_subgraph: SubgraphCompiler | None = None) -> Callable[..., tuple]:
     """The node's kernel with attributes and engine keywords bound. A control-flow kernel (one
-    taking ``_scope``) is called with the outer values its subgraphs read after its inputs."""
+    taking ``_scope``) is called with the outer values its subgraphs read after its inputs, and
+    compiles its subgraphs with ``compile_subgraph`` (the runtime's Plan; node by node if None)."""
     entry = lookup(node.domain, node.op_type, opset)
     if entry is None:
         raise UnsupportedOpError({(node.domain, node.op_type, opset): [node.name]})
@@ -49,5 +118,5 @@ def bind_kernel(node: onnx.NodeProto, opset: int, rng: np.random.Generator | Non
     if "_rng" in entry.engine_keywords:
         attrs["_rng"] = rng if rng is not None else np.random.default_rng(0)
     if "_scope" in entry.attributes:
-        attrs["_scope"] = Scope(tuple(implicit_inputs(node)), dict(opsets or {"": opset}), rng, node_label(node))
+        attrs["_scope"] = Scope(tuple(implicit_inputs(node)), dict(opsets or {"": opset}), rng, node_label(node), compile_subgraph)
     return functools.partial(entry.fn, **attrs) if attrs else entry.fn

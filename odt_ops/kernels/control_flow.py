@@ -2,10 +2,11 @@
 
 A subgraph reads outer-scope values by name. The plan feeds a control-flow kernel those
 values after the node's own inputs, in the order of ``implicit_inputs(node)``
-(odt_ops/ir/control_flow.py), and binds ``_scope``: the names of those values, the
-model's opsets and the session's generator. Each subgraph is compiled once per bound node
-into a nested ``Plan`` whose feeds are the subgraph's formal inputs followed by the
-outer values it reads.
+(odt_ops/ir/control_flow.py), and binds ``_scope`` (kernels/binding.py): the names of
+those values, the model's opsets, the session's generator and the compiler the runtime
+hands down (its ``Plan``). Each subgraph is compiled once per bound node into a nested plan
+whose feeds are the subgraph's formal inputs followed by the outer values it reads; the
+kernels themselves never import the runtime.
 
 Most Loops and Scans of trainable models never reach these kernels: loading unrolls
 those whose trip count is static, and inlines Ifs whose condition is a constant
@@ -13,53 +14,11 @@ those whose trip count is static, and inlines Ifs whose condition is a constant
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from odt_ops.errors import KernelError, OdtError
-from odt_ops.ir.control_flow import outer_reads
+from odt_ops.errors import KernelError
 from odt_ops.kernels.registry import kernel
-
-
-@dataclass
-class Scope:
-    """What a control-flow kernel needs beyond its attributes: the names of the outer values
-    appended to its inputs, the opsets its subgraphs run at, and the session's generator."""
-
-    outer: tuple[str, ...]
-    opsets: Mapping[str, int]
-    rng: np.random.Generator | None = None
-    label: str = ""
-    _plans: dict = field(default_factory=dict, repr=False)
-
-    def split(self, args: Sequence) -> tuple[tuple, tuple]:
-        """(the node's own inputs, the outer values)."""
-        n = len(args) - len(self.outer)
-        return tuple(args[:n]), tuple(args[n:])
-
-    def run(self, graph: onnx.GraphProto, inputs: Sequence, outer: Sequence) -> list:
-        """Run ``graph`` on its formal ``inputs``, its outer reads taken from ``outer``."""
-        plan, picks = self._plan(graph)
-        try:
-            return plan.run([*inputs, *(outer[i] for i in picks)])
-        except OdtError as exc:
-            raise KernelError(f"{self.label}, subgraph {graph.name!r}: {exc}") from exc
-
-    def _plan(self, graph: onnx.GraphProto):
-        hit = self._plans.get(id(graph))
-        if hit is None or hit[0] is not graph:
-            from odt_ops.runtime.plan import Plan  # the plan imports the kernels
-
-            reads = outer_reads(graph)
-            constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-            plan = Plan(graph, self.opsets, constants, [i.name for i in graph.input] + reads,
-                        [o.name for o in graph.output], self.rng)
-            hit = self._plans[id(graph)] = (graph, plan, [self.outer.index(n) for n in reads])
-        return hit[1], hit[2]
 
 
 def _true(value: np.ndarray) -> bool:
@@ -179,7 +138,7 @@ def _axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-def _stack(values: list[np.ndarray], axis: int, out: onnx.ValueInfoProto, scope: Scope) -> np.ndarray:
+def _stack(values: list[np.ndarray], axis: int, out: onnx.ValueInfoProto, scope) -> np.ndarray:
     shapes = {v.shape for v in values}
     if len(shapes) != 1:
         raise KernelError(f"{scope.label}: scan output {out.name!r} changes shape between iterations {sorted(shapes)}")

@@ -268,7 +268,7 @@ def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: Win
     run, so numpy's inner loops are long and vectorized. Channels first, the same taps were
     short spatial rows times a broadcast scalar, 1.5-3x slower. A channel multiplier (M/group
     outputs per input channel) repeats the input channels first."""
-    N, M, rank = X.shape[0], W.shape[0], len(geo.kernel)
+    N, M = X.shape[0], W.shape[0]
     if M != group:
         X = np.repeat(X, M // group, axis=1)
     padded = np.zeros((N, *geo.reach, M), dtype=X.dtype)

@@ -37,7 +37,7 @@ def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None 
     (runtime/fusion.py) are bound by the fusion that made them."""
     if node.domain == fusion.DOMAIN:
         return fusion.bind(node, opset)
-    return bind_kernel(node, opset, rng, opsets)
+    return bind_kernel(node, opset, rng, opsets, compile_subgraph=Plan)  # control-flow bodies run as plans too
 
 
 @dataclass(frozen=True)

@@ -356,3 +356,16 @@ def test_a_trip_count_from_the_batch_is_not_fixed_at_load():
     assert "Loop" in _ops(session.model)
     x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
     np.testing.assert_allclose(session.run(None, {"x": x})[0], np.maximum(x, 0).sum(0), rtol=1e-6)
+
+
+def test_control_flow_bound_without_the_runtime_runs_its_bodies_node_by_node():
+    """The loader binds kernels without a plan compiler (kernels/ never imports runtime/): a
+    Loop bound that way runs its body node by node, to what the runtime's nested plans compute."""
+    from odt_ops.kernels.binding import bind_kernel
+
+    model = _loop_model()
+    node, w = model.graph.node[0], {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    feeds = {"M": np.array(5, np.int64), "c": np.array(True), "acc0": np.array([1.0, -2.0, 0.5], np.float32)}
+    ours = bind_kernel(node, 21)(*(feeds[n] for n in node.input), *(w[n] for n in implicit_inputs(node)))
+    for got, want in zip(ours, _oracles(model, feeds)):
+        np.testing.assert_array_equal(got, want)

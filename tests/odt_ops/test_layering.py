@@ -1,9 +1,12 @@
-"""The engine's packages import downwards only: ir/ (loading and graph passes) never imports
-runtime/ (plans); both bind kernels through kernels/binding.py."""
+"""The engine's packages import downwards only: neither ir/ (loading and graph passes) nor
+kernels/ imports runtime/ (plans); both bind kernels through kernels/binding.py, and the
+runtime hands control-flow kernels its Plan as their subgraph compiler."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "odt_ops"
 
@@ -18,6 +21,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_ir_never_imports_the_runtime():
-    offenders = {p.name: sorted(m for m in _imports(p) if m.startswith("odt_ops.runtime")) for p in (ROOT / "ir").glob("*.py")}
+@pytest.mark.parametrize("package", ["ir", "kernels"])
+def test_lower_layers_never_import_the_runtime(package):
+    offenders = {p.name: sorted(m for m in _imports(p) if m.startswith("odt_ops.runtime")) for p in (ROOT / package).glob("*.py")}
     assert not {k: v for k, v in offenders.items() if v}
