@@ -1,4 +1,5 @@
-"""Where odt's train step spends its time: ``python -m odt_ops.benchmark.profile --config mlp-adamw --batch 64``.
+"""Where odt's train step spends its time: ``python -m odt_ops.benchmark.profile --config mlp-adamw --batch 64``;
+and how its memory grows with the batch: ``... --config cnn-adamw --memory 8 32 128``.
 
 In one process (single-threaded BLAS, set before numpy loads): the step split into
 Module call (forward + backward plan), Optimizer.step and lazy_reset_grad; the time of
@@ -137,6 +138,75 @@ def profile(config_name: str, batch: int, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def memory_report(config_name: str, batches: list[int]) -> str:
+    """Per batch: the peak of the engine's allocations during one train step (tracemalloc: numpy
+    reports its buffers to it), and the bytes of the forward values the backward pass reads (the
+    activations a training step must keep). Peak growth per sample against saved bytes per sample
+    says whether memory grows with the batch no faster than those activations."""
+    import tracemalloc
+
+    from odt_ops.benchmark import configs as cfgs
+
+    config = cfgs.CONFIGS[config_name]
+    rows = []
+    for batch in batches:
+        with tempfile.TemporaryDirectory() as d:
+            module, optimizer, x, y = _session(config, d, batch)
+
+            def train_step():
+                module(x, y)
+                optimizer.step()
+                module.lazy_reset_grad()
+
+            train_step()  # first step: the plan's one-time work is not the step's memory
+            step = module.compiled_train
+            data = {spec.name: value for spec, value in zip(step.inputs, (x, y))}
+            saved = _saved_activation_bytes(step.plan, data, lambda: module(x, y))
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            train_step()
+            peak = tracemalloc.get_traced_memory()[1] - base
+            tracemalloc.stop()
+        rows.append((batch, peak, saved))
+    lines = [f"{config.name}: one train step's allocation peak (tracemalloc) and the forward values the backward reads",
+             f"{'batch':>6} {'peak KiB':>10} {'saved KiB':>10} {'peak/saved':>11}"]
+    lines += [f"{b:>6} {p / 1024:>10.1f} {sv / 1024:>10.1f} {p / sv:>11.2f}" for b, p, sv in rows]
+    (b0, p0, s0), (b1, p1, s1) = rows[0], rows[-1]
+    if b1 > b0:
+        lines.append(f"growth per sample from batch {b0} to {b1}: peak {(p1 - p0) / (b1 - b0) / 1024:.1f} KiB, "
+                     f"saved activations {(s1 - s0) / (b1 - b0) / 1024:.1f} KiB (ratio {(p1 - p0) / max(s1 - s0, 1):.2f})")
+    return "\n".join(lines)
+
+
+def _saved_activation_bytes(plan, data: dict, run) -> int:
+    """Bytes of the values the gradient nodes read that the forward pass made or the user fed
+    (``data``: the batch's inputs and labels), in one run of ``plan``."""
+    def is_gradient(node) -> bool:
+        return node.name.startswith(("grad/", "fused/grad/"))
+
+    read_by_backward = {n for step in plan.steps if is_gradient(step.node) for n in step.inputs if n}
+    sizes = {name: value.nbytes for name, value in data.items() if name in read_by_backward}
+
+    def wrap(step, fn):
+        if is_gradient(step.node):
+            return fn
+
+        def recorded(*args, **kwargs):
+            outputs = fn(*args, **kwargs)
+            for name, value in zip(step.outputs, outputs):
+                if name in read_by_backward and isinstance(value, np.ndarray):
+                    sizes[name] = value.nbytes
+            return outputs
+        return recorded
+
+    plan.instrument(wrap)
+    try:
+        run()
+    finally:
+        plan.instrument(None)
+    return sum(sizes.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     from odt_ops.benchmark import configs as cfgs
 
@@ -145,12 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--memory", type=int, nargs="+", metavar="BATCH",
+                   help="instead: the train step's allocation peak against the saved activations at these batches")
     args = p.parse_args(argv)
     if any(os.environ.get(k) != v for k, v in ONE_THREAD.items()):
         # BLAS reads its thread count when numpy loads (already, via odt_ops): start again with one
         argv = sys.argv[1:] if argv is None else argv
         os.execve(sys.executable, [sys.executable, "-m", "odt_ops.benchmark.profile", *argv], {**os.environ, **ONE_THREAD})
-    print(profile(args.config, args.batch, args.steps, args.top))
+    print(memory_report(args.config, args.memory) if args.memory else profile(args.config, args.batch, args.steps, args.top))
     return 0
 
 

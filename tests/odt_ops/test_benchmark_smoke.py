@@ -72,3 +72,16 @@ def test_torch_defined_configurations_start_every_peer_from_the_same_loss(tmp_pa
         assert {p: res["peers"][p]["status"] for p in ("odt", "torch")} == {"odt": "ok", "torch": "ok"}, res["peers"]
         assert res["first_loss_rel_spread"] < 1e-5, res["config"]
         assert res["ratios"]["odt/torch"]["train_ms"] > 0
+
+
+def test_memory_report_counts_the_activations_the_backward_reads():
+    """The MLP's backward reads the input (784 floats a sample) and fc0's ReLU output (128 floats),
+    among others: the saved bytes double with the batch, and the step's allocation peak holds them."""
+    from odt_ops.benchmark.profile import memory_report
+
+    report = memory_report("mlp-adamw", [4, 8])
+    rows = [line.split() for line in report.splitlines()[2:4]]
+    (b4, peak4, saved4, _), (b8, peak8, saved8, _) = ([float(v) for v in row] for row in rows)
+    assert (b4, b8) == (4, 8)
+    assert saved8 == pytest.approx(2 * saved4, rel=1e-2) and saved4 >= 4 * (784 + 128) * 4 / 1024 - 0.1
+    assert peak4 >= saved4 and peak8 >= saved8
