@@ -48,6 +48,14 @@ def _session(config, directory: str, batch: int):
     return module, optimizer, x, y
 
 
+def _train_step(module, optimizer, x, y):
+    def train_step():
+        module(x, y)
+        optimizer.step()
+        module.lazy_reset_grad()
+    return train_step
+
+
 def _median_ms(fn, steps: int) -> float:
     times = []
     for _ in range(steps):
@@ -90,12 +98,7 @@ def profile(config_name: str, batch: int, steps: int, top: int) -> str:
     lines = []
     with tempfile.TemporaryDirectory() as d:
         module, optimizer, x, y = _session(config, d, batch)
-
-        def train_step():
-            module(x, y)
-            optimizer.step()
-            module.lazy_reset_grad()
-
+        train_step = _train_step(module, optimizer, x, y)
         for _ in range(min(20, steps)):  # warm-up
             train_step()
         step_ms = _median_ms(train_step, steps)
@@ -152,12 +155,7 @@ def memory_report(config_name: str, batches: list[int]) -> str:
     for batch in batches:
         with tempfile.TemporaryDirectory() as d:
             module, optimizer, x, y = _session(config, d, batch)
-
-            def train_step():
-                module(x, y)
-                optimizer.step()
-                module.lazy_reset_grad()
-
+            train_step = _train_step(module, optimizer, x, y)
             train_step()  # first step: the plan's one-time work is not the step's memory
             step = module.compiled_train
             data = {spec.name: value for spec, value in zip(step.inputs, (x, y))}

@@ -487,42 +487,38 @@ def _activation_grad(g: Graph) -> bool:
     Mul(dY, Mul(Y, Sub(1, Y))) -> SigmoidGrad(dY, Y, 1); Mul(dY, Sub(1, Mul(Y, Y))) -> TanhGrad(dY, Y, 1)."""
     changed = False
     for outer in [n for n in g.nodes if n.op_type == "Mul" and n.domain in STANDARD]:
-        match = _sigmoid_grad(g, outer) or _tanh_grad(g, outer)
-        if match is None:
-            continue
-        op_type, inner_nodes, y, one = match
-        fused = _fused_node(op_type, [outer.input[0], y, one], outer.output, f"fused/{outer.name or outer.output[0]}")
-        changed = g.replace([*inner_nodes, outer], fused) or changed
+        match = _activation_grad_match(g, outer)
+        if match is not None:
+            op_type, inner, y, one = match
+            fused = _fused_node(op_type, [outer.input[0], y, one], outer.output, f"fused/{outer.name or outer.output[0]}")
+            changed = g.replace([*inner, outer], fused) or changed
     return changed
+
+
+# fused op -> (the op producing the outer Mul's second input, the op producing that one's second input)
+_ACTIVATION_GRADS = {"SigmoidGrad": ("Mul", "Sub"), "TanhGrad": ("Sub", "Mul")}
+
+
+def _activation_grad_match(g: Graph, outer: onnx.NodeProto):
+    """(fused op, the two inner nodes, Y, the constant 1) if ``outer`` ends one of the two rules."""
+    for op_type, (first_op, second_op) in _ACTIVATION_GRADS.items():
+        first = g.producer(outer.input[1], first_op)
+        second = first and g.producer(first.input[1], second_op)
+        if not (second and g.sole_reader(first.output[0], "Mul", 1) is outer
+                and g.sole_reader(second.output[0], first_op, 1) is first):
+            continue
+        minus, product = (first, second) if first_op == "Sub" else (second, first)
+        y = product.input[0]
+        # Sigmoid: Mul(Y, Sub(1, Y)); Tanh: Sub(1, Mul(Y, Y))
+        tail = minus.input[1] if op_type == "SigmoidGrad" else product.input[1]
+        if tail == y and _is_one(g, minus.input[0]):
+            return op_type, [second, first], y, minus.input[0]
+    return None
 
 
 def _is_one(g: Graph, name: str) -> bool:
     value = g.constant(name)
     return value is not None and value.size == 1 and value.ndim <= 1 and value.dtype.kind == "f" and value.reshape(-1)[0] == 1
-
-
-def _sigmoid_grad(g: Graph, outer: onnx.NodeProto):
-    product = g.producer(outer.input[1], "Mul")
-    minus = product and g.producer(product.input[1], "Sub")
-    if not (minus and g.sole_reader(product.output[0], "Mul", 1) is outer
-            and g.sole_reader(minus.output[0], "Mul", 1) is product):
-        return None
-    y = product.input[0]
-    if minus.input[1] != y or not _is_one(g, minus.input[0]):
-        return None
-    return "SigmoidGrad", [minus, product], y, minus.input[0]
-
-
-def _tanh_grad(g: Graph, outer: onnx.NodeProto):
-    minus = g.producer(outer.input[1], "Sub")
-    square = minus and g.producer(minus.input[1], "Mul")
-    if not (square and g.sole_reader(minus.output[0], "Mul", 1) is outer
-            and g.sole_reader(square.output[0], "Sub", 1) is minus):
-        return None
-    y = square.input[0]
-    if square.input[1] != y or not _is_one(g, minus.input[0]):
-        return None
-    return "TanhGrad", [square, minus], y, minus.input[0]
 
 
 def _activation_grad_op(first_with_y: bool) -> Factory:
