@@ -13,7 +13,7 @@ contiguous runs, so most of what follows is about layouts):
   NCHW. At stride 1 the windows are read from flattened padded planes, one flat offset
   per kernel tap (``_flat_planes``), so the copy moves long runs; when the output keeps the
   input's row length ("same" padding) the offsets read the unpadded planes and the few
-  reads that wrap across a row end are cleared (``_row_windows``): no padded canvas, no
+  reads that wrap across a row end are cleared (``row_windows``): no padded canvas, no
   crop, no extra GEMM columns. Depthwise convolutions
   skip the GEMM (N*group tiny GEMMs are slow) and multiply-add whole shifted planes.
 - ConvTranspose is one batched GEMM to columns, then col2im as one np.sum over a
@@ -82,19 +82,19 @@ def _crop_flat(Y: np.ndarray, geo: WindowGeometry) -> np.ndarray:
     return np.ascontiguousarray(rows[(..., *(slice(o) for o in geo.out[1:]))]).reshape(*Y.shape[:2], -1)
 
 
-def _keeps_rows(X: np.ndarray, geo: WindowGeometry) -> bool:
-    """Stride 1 and every output axis but the first as long as the input's: ``_row_windows`` applies."""
+def keeps_rows(X: np.ndarray, geo: WindowGeometry) -> bool:
+    """Stride 1 and every output axis but the first as long as the input's: ``row_windows`` applies."""
     return all(s == 1 for s in geo.strides) and geo.out[1:] == X.shape[3:]
 
 
-def _row_windows(X: np.ndarray, geo: WindowGeometry) -> np.ndarray:
-    """For ``_keeps_rows`` geometries: a (N, C, *kernel, positions) view of the taps, read from the
+def row_windows(X: np.ndarray, geo: WindowGeometry) -> np.ndarray:
+    """For ``keeps_rows`` geometries: a (N, C, *kernel, positions) view of the taps, read from the
     UNPADDED planes flattened, each tap one flat offset away.
 
     An output position then reads its tap at its own flat position plus the offset, so the
     im2col copy moves whole planes and the columns come out in output order (no padded rows
     to crop, no extra GEMM columns). Reads above or below the plane land in zero margins;
-    reads past a row's end wrap into the neighbouring row: ``_zero_wrapped`` clears those."""
+    reads past a row's end wrap into the neighbouring row: ``zero_wrapped`` clears those."""
     N, C, *spatial = X.shape
     pitch = [math.prod(spatial[a + 1:]) for a in range(len(spatial))]
     shifts = [(-b * p) for b, p in zip(geo.begin, pitch)]  # offset of the first tap
@@ -111,8 +111,8 @@ def _row_windows(X: np.ndarray, geo: WindowGeometry) -> np.ndarray:
                                X.itemsize))
 
 
-def _zero_wrapped(cols: np.ndarray, geo: WindowGeometry) -> None:
-    """Clear the im2col entries ``_row_windows`` read across a row end. ``cols`` is (..., *kernel, *out):
+def zero_wrapped(cols: np.ndarray, geo: WindowGeometry) -> None:
+    """Clear the im2col entries ``row_windows`` read across a row end. ``cols`` is (..., *kernel, *out):
     along every axis but the first, tap k shifted by s = k*d - pad reads a neighbour row at the
     first -s or the last s positions; one strided assignment per such tap and axis."""
     rank = len(geo.kernel)
@@ -213,10 +213,10 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
         return Y
     # flat columns trade the im2col copy's N*C*taps*rows short rows for a crop of the output's
     # N*M*rows short rows (and a few more GEMM columns): worth it when M is well below C*taps
-    rowwise = _keeps_rows(X, geo)
+    rowwise = keeps_rows(X, geo)
     flat = unit and len(geo.kernel) > 1 and 2 * M <= C * taps and not rowwise
     if rowwise:
-        windows, grid = _row_windows(X, geo), (math.prod(geo.out),)
+        windows, grid = row_windows(X, geo), (math.prod(geo.out),)
     elif flat:
         planes, _, span = _flat_planes(X, geo)
         plane_strides = [math.prod(geo.reach[i + 1:]) * X.itemsize for i in range(len(geo.kernel))]
@@ -244,7 +244,7 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
         np.copyto(cols[:, :, :rows].reshape(n, group, C // group, *geo.kernel, *grid),
                   windows[batch].reshape(n, group, C // group, *geo.kernel, *grid))
         if rowwise:
-            _zero_wrapped(cols[:, :, :rows].reshape(n, group, C // group, *geo.kernel, *geo.out), geo)
+            zero_wrapped(cols[:, :, :rows].reshape(n, group, C // group, *geo.kernel, *geo.out), geo)
         np.matmul(weights, cols, out=Y[batch])
     Y = Y.reshape(N, M, -1)
     return _crop_flat(Y, geo) if flat else Y

@@ -15,6 +15,7 @@ node attributes and constants; anything else is left for the node-by-node path.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -22,7 +23,9 @@ import onnx
 
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
+from odt_ops.kernels.conv import keeps_rows, row_windows, zero_wrapped
 from odt_ops.kernels.elementwise import relu_in_place
+from odt_ops.kernels.geometry import WindowGeometry
 from odt_ops.kernels.loss import label_positions
 
 DOMAIN = "odt_ops.fused"
@@ -336,6 +339,77 @@ def _stack_slices(attrs: dict, opset: int) -> Callable[..., tuple]:
                 index[a % x.ndim] = slice(start, end, step)
             parts.append(x[tuple(index)])
         return (np.stack(parts, axis=axis),)
+
+    return run
+
+
+@fusion("window_columns")
+def _window_columns(g: Graph) -> bool:
+    """StackedSlices of a zero-Padded input whose slices are a stride-1 window's taps (a Conv weight
+    gradient's columns) -> one node that reads the taps from the unpadded planes, one flat offset
+    per tap (kernels/conv.py's row windows, as the forward Conv's im2col does) when the output
+    rows are as long as the input's: whole-plane copies instead of a copy per short row. The
+    values are the same copies and zeros."""
+    changed = False
+    for stack in [n for n in g.nodes if n.op_type == "StackedSlices" and n.domain == DOMAIN]:
+        pad = g.producer(stack.input[0], "Pad")
+        attrs = node_attributes(stack)
+        window = pad and g.sole_reader(pad.output[0], "StackedSlices", 0, domains=(DOMAIN,)) is stack and \
+            _stride_one_window(g, pad, attrs)
+        if window:
+            kernel, dilations, pads = window
+            fused = _fused_node("WindowColumns", [pad.input[0], *pad.input[1:]], stack.output, f"fused/{stack.name}",
+                                kernel=kernel, dilations=dilations, pads=pads, **attrs)
+            changed = g.replace([pad, stack], fused) or changed
+    return changed
+
+
+def _stride_one_window(g: Graph, pad: onnx.NodeProto, attrs: dict):
+    """(kernel, dilations, spatial pads) if ``pad`` zero-pads only axes 2.. and the stack's slices,
+    in order, are every tap of a stride-1 window over those axes (at axis 1), else None."""
+    pads = g.ints(pad, 1, "pads")
+    mode = node_attributes(pad).get("mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    value = g.constant(pad.input[2]) if len(pad.input) > 2 and pad.input[2] else np.zeros(1)
+    if pads is None or mode != "constant" or value is None or value.size != 1 or value.reshape(-1)[0] != 0 \
+            or (len(pad.input) > 3 and pad.input[3]) or attrs["axis"] != 1 or min(pads) < 0:
+        return None
+    rank, full = attrs["rank"], len(pads) // 2
+    if full != rank + 2 or pads[0] or pads[1] or pads[full] or pads[full + 1]:
+        return None
+    flat = attrs["regions"]
+    taps = [flat[i: i + 4 * rank] for i in range(0, len(flat), 4 * rank)]
+    starts = [[t[4 * j + 1] for j in range(rank)] for t in taps]
+    if any([t[4 * j] for j in range(rank)] != list(range(2, 2 + rank)) or any(t[4 * j + 3] != 1 for j in range(rank)) for t in taps):
+        return None
+    kernel = [len({s[j] for s in starts}) for j in range(rank)]
+    dilations = [(max(s[j] for s in starts) // (k - 1)) if k > 1 else 1 for j, k in enumerate(kernel)]
+    expected = [[k * d for k, d in zip(offset, dilations)] for offset in np.ndindex(*kernel)]
+    lengths = {tuple(t[4 * j + 2] - t[4 * j + 1] for j in range(rank)) for t in taps}
+    if starts != expected or len(lengths) != 1:
+        return None
+    return kernel, dilations, [*pads[2:full], *pads[full + 2:]]
+
+
+@fused_op("WindowColumns")
+def _window_columns_op(attrs: dict, opset: int) -> Callable[..., tuple]:
+    kernel, dilations, pads = tuple(attrs["kernel"]), tuple(attrs["dilations"]), attrs["pads"]
+    rank = len(kernel)
+    pad, stack = _kernel("Pad", opset), _stack_slices(attrs, opset)
+    first = attrs["regions"][:4 * rank]
+    out = tuple(first[4 * j + 2] - first[4 * j + 1] for j in range(rank))
+    geo = WindowGeometry(kernel, (1,) * rank, dilations, tuple(pads[:rank]), tuple(pads[rank:]), out)
+
+    def run(x, *pad_inputs):
+        if x.ndim != rank + 2 or not keeps_rows(x, geo) or any(r > n + b + e for r, n, b, e in
+                                                                 zip(geo.reach, x.shape[2:], geo.begin, geo.end)):
+            return stack(pad(x, *pad_inputs)[0])  # the two nodes as written
+        C, N = x.shape[:2]
+        columns = np.empty((C, *kernel, N, math.prod(out)), dtype=x.dtype)
+        windows = row_windows(x, geo)  # (C, N, *kernel, positions)
+        np.copyto(columns, np.moveaxis(windows, 1, 1 + rank))
+        zero_wrapped(np.moveaxis(columns.reshape(C, *kernel, N, *out), 1 + rank, 1), geo)
+        return (columns.reshape(C, math.prod(kernel), N, *out),)
 
     return run
 

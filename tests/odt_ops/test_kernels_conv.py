@@ -115,8 +115,8 @@ def test_conv(geometry, group, in_per_group, out_per_group, batch, bias, seed):
 @pytest.mark.parametrize("bias", [False, True])
 def test_conv_keeping_the_row_length(spatial, attrs, group, in_per_group, out_per_group, bias):
     """Stride 1 with every output axis but the first as long as the input's: the im2col reads the
-    unpadded planes at flat offsets and clears what wraps across row ends (``_row_windows``)."""
-    from odt_ops.kernels.conv import _conv_geometry, _keeps_rows
+    unpadded planes at flat offsets and clears what wraps across row ends (``row_windows``)."""
+    from odt_ops.kernels.conv import _conv_geometry, keeps_rows
 
     C, M = group * in_per_group, group * out_per_group
     feeds = {"X": rand(len(spatial), 3, C, *spatial), "W": rand(7, M, in_per_group, *attrs["kernel_shape"])}
@@ -124,7 +124,7 @@ def test_conv_keeping_the_row_length(spatial, attrs, group, in_per_group, out_pe
         feeds["B"] = rand(8, M)
     window = {k: attrs.get(k) for k in ("strides", "dilations", "pads")}
     geo = _conv_geometry(feeds["X"], feeds["W"], None, group, auto_pad=attrs.get("auto_pad", "NOTSET"), **window)
-    assert _keeps_rows(feeds["X"], geo)
+    assert keeps_rows(feeds["X"], geo)
     check("Conv", feeds, {**attrs, "group": group})
 
 

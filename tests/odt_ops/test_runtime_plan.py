@@ -94,14 +94,15 @@ def test_sigmoid_and_tanh_gradients_fuse_bit_for_bit(tmp_path):
 def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
     directory = _generate(tmp_path, cnn(batchnorm=batchnorm), trainable=["conv*", "fc*", *(["bn1.weight", "bn1.bias"] if batchnorm else [])])
     fused = _assert_fused_equals_unfused(directory, *_cnn_data(8))
-    assert Counter(fused.fusions) == {"ScatterIntoZeros": 2, "SoftmaxCrossEntropyLossGrad": 1, "StackedSlices": 2,
+    # the two convolutions' weight-gradient columns: zero-padded taps read as row windows
+    assert Counter(fused.fusions) == {"ScatterIntoZeros": 2, "SoftmaxCrossEntropyLossGrad": 1, "WindowColumns": 2,
                                      "DivideBySize": 2 if batchnorm else 1, **({"BatchNormalizationTrainingGrad": 1} if batchnorm else {})}
     # both MaxPool gradients scatter only where the ReLU before the pool let the value through
     assert [len(s.node.input) for s in fused.steps if s.node.op_type == "ScatterIntoZeros"] == [4, 4]
     assert not any(s.node.op_type in ("Greater", "Where", "ConstantOfShape", "ScatterElements") for s in fused.steps)
     if not batchnorm:  # (BatchNormalization's own gradient has Unsqueezes)
         assert not any(s.node.op_type in ("Unsqueeze", "Concat") for s in fused.steps)
-    # the window taps are one StackedSlices; a Slice is left only where an input gradient flips a kernel
+    # the window taps are one node; a Slice is left only where an input gradient flips a kernel
     assert all(s.node.input[0].endswith(".weight") for s in fused.steps if s.node.op_type == "Slice")
 
 
@@ -149,6 +150,10 @@ def test_max_pool_gradient_scatters_into_fresh_zeros(tmp_path, order, pool, mask
     {"dilations": [2, 2], "pads": [2, 0, 1, 3]},
     {"strides": [2, 1], "pads": [0, 2, 2, 0], "kernel_shape": [2, 3]},
     {"strides": [3, 3]},  # no padding, and windows that stop short of the end
+    # stride 1 with rows as long as the input's: the columns read as row windows (WindowColumns)
+    {"pads": [1, 1, 1, 1]},
+    {"dilations": [2, 2], "pads": [2, 2, 2, 2]},
+    {"pads": [0, 2, 2, 0], "kernel_shape": [2, 3]},
 ])
 def test_conv_weight_gradient_taps_with_strides_dilations_and_pads(tmp_path, conv):
     rng = np.random.default_rng(3)
@@ -164,7 +169,9 @@ def test_conv_weight_gradient_taps_with_strides_dilations_and_pads(tmp_path, con
     directory = _generate(tmp_path, model, loss=artifacts.LossType.MSELoss, trainable=["conv.weight"])
     x = rng.standard_normal((3, 2, 11, 10)).astype(np.float32)
     fused = _assert_fused_equals_unfused(directory, x, rng.standard_normal(3).astype(np.float32))
-    assert sorted(fused.fusions) == ["DivideBySize", "StackedSlices"]  # the mean loss divides by the batch size
+    # the mean loss divides by the batch size; zero-padded stride-1 taps are one WindowColumns
+    padded_stride_one = any(conv.get("pads", [0])) and all(s == 1 for s in conv.get("strides", [1, 1]))
+    assert sorted(fused.fusions) == ["DivideBySize", "WindowColumns" if padded_stride_one else "StackedSlices"]
 
 
 CROSS_ENTROPY = {
