@@ -54,6 +54,11 @@ class InputError(OdtError, ValueError):
     """Run-time feeds do not match the model's inputs (name, dtype or shape)."""
 
 
+class ArgumentError(OdtError, ValueError):
+    """An argument of a public constructor or function is out of range or contradicts another;
+    the message names the argument and what it accepts."""
+
+
 class KernelError(OdtError, RuntimeError):
     """A kernel failed on the values it was given; names the node and the input shapes."""
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 
 from odt_ops.api.optimizer import Optimizer
+from odt_ops.errors import ArgumentError
 
 
 class LRScheduler:
     def __init__(self, optimizer: Optimizer, initial_lr: float):
         if initial_lr < 0:
-            raise ValueError(f"initial_lr must be >= 0, got {initial_lr}")
+            raise ArgumentError(f"initial_lr must be >= 0, got {initial_lr}")
         self._optimizer = optimizer
         self.initial_lr = float(initial_lr)
         self._step = 0
@@ -37,7 +38,7 @@ class ConstantLRScheduler(LRScheduler):
 class LinearLRScheduler(LRScheduler):
     def __init__(self, optimizer: Optimizer, warmup_step_count: int, total_step_count: int, initial_lr: float):
         if not 0 <= warmup_step_count <= total_step_count:
-            raise ValueError(f"need 0 <= warmup_step_count ({warmup_step_count}) <= total_step_count ({total_step_count})")
+            raise ArgumentError(f"need 0 <= warmup_step_count ({warmup_step_count}) <= total_step_count ({total_step_count})")
         self.warmup, self.total = int(warmup_step_count), int(total_step_count)
         super().__init__(optimizer, initial_lr)
 
@@ -52,7 +53,7 @@ class CosineLRScheduler(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, warmup_step_count: int, total_step_count: int, initial_lr: float, min_lr_ratio: float = 0.0):
         if not 0 <= warmup_step_count <= total_step_count:
-            raise ValueError(f"need 0 <= warmup_step_count ({warmup_step_count}) <= total_step_count ({total_step_count})")
+            raise ArgumentError(f"need 0 <= warmup_step_count ({warmup_step_count}) <= total_step_count ({total_step_count})")
         self.warmup, self.total, self.min_ratio = int(warmup_step_count), int(total_step_count), float(min_lr_ratio)
         super().__init__(optimizer, initial_lr)
 
@@ -68,7 +69,7 @@ class StepLRScheduler(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, step_size: int, gamma: float, initial_lr: float):
         if step_size < 1:
-            raise ValueError(f"step_size must be >= 1, got {step_size}")
+            raise ArgumentError(f"step_size must be >= 1, got {step_size}")
         self.step_size, self.gamma = int(step_size), float(gamma)
         super().__init__(optimizer, initial_lr)
 

@@ -61,7 +61,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp import strategy as fl
 
-from odt_ops.errors import ModelDiffError
+from odt_ops.errors import ArgumentError, ModelDiffError
 from odt_ops.federated.encoding import ENCODINGS, EncodedDiff, check_update, decode_diff, fingerprint
 from odt_ops.federated.local import EvalResult, LocalTrainer, RoundConfig
 
@@ -148,7 +148,7 @@ class FederationSettings:
             if not 0.0 <= float(getattr(self, name)) <= 1.0:
                 problems.append(f"{name}={getattr(self, name)} (expected in [0, 1])")
         if problems:
-            raise ValueError("federation settings: " + "; ".join(problems))
+            raise ArgumentError("federation settings: " + "; ".join(problems))
 
     def sample_size(self) -> int:
         """Clients sampled per training round (Flower's rule: max(fraction * N, minimum))."""
@@ -517,7 +517,7 @@ def build_strategy(settings: FederationSettings, specs: Mapping[str, tuple[tuple
     try:
         inner: fl.Strategy = cls(**kwargs)
     except TypeError as exc:
-        raise ValueError(f"strategy {settings.strategy!r}: {exc}; its options are those of flwr.serverapp.strategy.{cls.__name__}") from None
+        raise ArgumentError(f"strategy {settings.strategy!r}: {exc}; its options are those of flwr.serverapp.strategy.{cls.__name__}") from None
     dp = settings.dp
     if dp.enabled:
         n = settings.sample_size()

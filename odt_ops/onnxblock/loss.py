@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from odt_ops.errors import ArgumentError
 from odt_ops.onnxblock.base import Block, current_builder
 from odt_ops.onnxblock.blocks import InputLike, add_input, value_info
 
@@ -16,7 +17,7 @@ REDUCTIONS = ("mean", "sum", "none")
 
 def _check_reduction(reduction: str) -> str:
     if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        raise ArgumentError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return reduction
 
 
@@ -87,7 +88,7 @@ class CrossEntropyLoss(Block):
         self.weight = None if weight is None else np.asarray(weight, np.float32)
         self.ignore_index = ignore_index
         if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+            raise ArgumentError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         self.label_smoothing = float(label_smoothing)
 
     def build(self, scores_name: str, labels_name: str = "labels") -> str:
@@ -104,7 +105,7 @@ class CrossEntropyLoss(Block):
     def _smoothed(self, b, inputs, attrs, labels, num_classes) -> str:
         """(1-e) * nll + e/C * sum_c -w_c log p_c, per sample, with torch's mean denominator."""
         if not isinstance(num_classes, int):
-            raise ValueError("label_smoothing needs a static number of classes (dimension 1 of the scores)")
+            raise ArgumentError("label_smoothing needs a static number of classes (dimension 1 of the scores)")
         eps = self.label_smoothing
         nll, log_prob = b.op_multi("SoftmaxCrossEntropyLoss", inputs, 2, reduction="none", **attrs)
         weighted = log_prob

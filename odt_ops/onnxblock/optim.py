@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from odt_ops.errors import ArgumentError
+
 F32 = np.float32
 
 
@@ -76,7 +78,7 @@ class Optimizer:
     def __post_init__(self):
         if self.clip_grad is not None:
             if self.max_norm is not None and self.max_norm != self.clip_grad.max_norm:
-                raise ValueError(f"{type(self).__name__}: max_norm={self.max_norm} and clip_grad={self.clip_grad} disagree; give one")
+                raise ArgumentError(f"{type(self).__name__}: max_norm={self.max_norm} and clip_grad={self.clip_grad} disagree; give one")
             object.__setattr__(self, "max_norm", float(self.clip_grad.max_norm))
             object.__setattr__(self, "clip_grad", None)
 
@@ -142,7 +144,7 @@ class SGD(Optimizer):
     def __post_init__(self):
         super().__post_init__()
         if self.nesterov and self.momentum <= 0:
-            raise ValueError("SGD: nesterov needs momentum > 0")
+            raise ArgumentError("SGD: nesterov needs momentum > 0")
         object.__setattr__(self, "state_names", ("momentum_buffer",) if self.momentum else ())
 
     def build_param(self, b, p: ParamSlots, g: str, s: dict) -> tuple[str, ...]:
@@ -191,7 +193,7 @@ class AdamW(Optimizer):
     def __post_init__(self):
         super().__post_init__()
         if self.mode not in ("ort", "torch"):
-            raise ValueError(f"AdamW mode must be 'ort' or 'torch', got {self.mode!r}")
+            raise ArgumentError(f"AdamW mode must be 'ort' or 'torch', got {self.mode!r}")
         object.__setattr__(self, "betas", tuple(float(x) for x in self.betas))
 
     def build_scalars(self, b, lr: str, step: str) -> dict[str, str]:
@@ -270,6 +272,11 @@ class Adam(AdamW):
 
     mode: str = "torch"
     kind = "Adam"
+
+    def __post_init__(self):
+        if self.mode != "torch":
+            raise ArgumentError(f"Adam is torch.optim.Adam: mode is 'torch' only, got {self.mode!r} (AdamW has mode='ort')")
+        super().__post_init__()
 
     def build_param(self, b, p: ParamSlots, g: str, s: dict) -> tuple[str, ...]:
         if self.weight_decay:
