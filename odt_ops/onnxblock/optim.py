@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class Optimizer:
     max_norm: float | None = None
     clip_grad: ClipGradNorm | None = None  # ONNX Runtime's spelling of max_norm; folded into it
 
-    state_names: tuple[str, ...] = ()
+    state_names: tuple[str, ...] = field(default=(), init=False)  # set by each optimizer, never by callers
     kind = "Optimizer"
 
     def __post_init__(self):
@@ -187,7 +187,7 @@ class AdamW(Optimizer):
     eps: float = 1e-6
     weight_decay: float = 0.0
     mode: str = "ort"
-    state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    state_names: tuple[str, ...] = field(default=("exp_avg", "exp_avg_sq"), init=False)
     kind = "AdamW"
 
     def __post_init__(self):

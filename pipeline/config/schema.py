@@ -98,9 +98,9 @@ class Blocks:
 LOSS = Blocks("loss", "odt_ops.onnxblock.loss", "odt_ops.onnxblock.base:Block")
 OPTIMIZER = Blocks("optimizer", "odt_ops.onnxblock.optim", "odt_ops.onnxblock.optim:Optimizer")
 
-# Constructor arguments a node may not set: derived state, or an object-valued alias
-# (an optimizer's clip_grad is max_norm as a ClipGradNorm object).
-NOT_ARGUMENTS = frozenset({"self", "state_names", "clip_grad"})
+# Constructor arguments a node may not set: an object-valued alias (an optimizer's
+# clip_grad is max_norm as a ClipGradNorm object). (state_names is not an argument at all.)
+NOT_ARGUMENTS = frozenset({"self", "clip_grad"})
 
 
 def arguments(cls: type) -> list[str]:
