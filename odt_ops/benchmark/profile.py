@@ -183,7 +183,16 @@ def _saved_activation_bytes(plan, data: dict, run) -> int:
         return node.name.startswith(("grad/", "fused/grad/"))
 
     read_by_backward = {n for step in plan.steps if is_gradient(step.node) for n in step.inputs if n}
-    sizes = {name: value.nbytes for name, value in data.items() if name in read_by_backward}
+    buffers: dict[int, np.ndarray] = {}  # by the array owning the memory: a Reshape's view is not counted twice
+
+    def keep(value: np.ndarray) -> None:
+        while isinstance(value.base, np.ndarray):
+            value = value.base
+        buffers[id(value)] = value
+
+    for name, value in data.items():
+        if name in read_by_backward:
+            keep(value)
 
     def wrap(step, fn):
         if is_gradient(step.node):
@@ -193,7 +202,7 @@ def _saved_activation_bytes(plan, data: dict, run) -> int:
             outputs = fn(*args, **kwargs)
             for name, value in zip(step.outputs, outputs):
                 if name in read_by_backward and isinstance(value, np.ndarray):
-                    sizes[name] = value.nbytes
+                    keep(value)
             return outputs
         return recorded
 
@@ -202,7 +211,7 @@ def _saved_activation_bytes(plan, data: dict, run) -> int:
         run()
     finally:
         plan.instrument(None)
-    return sum(sizes.values())
+    return sum(value.nbytes for value in buffers.values())
 
 
 def main(argv: list[str] | None = None) -> int:
