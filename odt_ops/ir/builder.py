@@ -63,13 +63,7 @@ class GraphBuilder:
     def fresh(self, hint: str, *, scoped: bool = True) -> str:
         """A name nothing else in the graph uses: ``<scope>/<hint>`` (or ``hint`` when not
         ``scoped``) if that is free, else with a numeric suffix."""
-        base = f"{self._prefix}/{hint}" if self._prefix and scoped else hint
-        name, k = base, 1
-        while name in self._taken:
-            name = f"{base}_{k}"
-            k += 1
-        self._taken.add(name)
-        return name
+        return unique_name(f"{self._prefix}/{hint}" if self._prefix and scoped else hint, self._taken)
 
     def taken(self, name: str) -> bool:
         return name in self._taken
@@ -161,6 +155,16 @@ class GraphBuilder:
         return None if tensor is None else numpy_helper.to_array(tensor)
 
 
+def unique_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``, ... whichever is not in ``taken``; it is then taken."""
+    name, k = base, 1
+    while name in taken:
+        name = f"{base}_{k}"
+        k += 1
+    taken.add(name)
+    return name
+
+
 def _size(tensor: onnx.TensorProto) -> int:
     return int(np.prod(tensor.dims, dtype=np.int64))
 
@@ -176,4 +180,4 @@ def _attr(value):
     return value
 
 
-__all__ = ["Dim", "GraphBuilder"]
+__all__ = ["Dim", "GraphBuilder", "unique_name"]

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from odt_ops.ir.builder import unique_name
 from odt_ops.ir.model import Model
 
 AT = onnx.AttributeProto
@@ -274,12 +275,7 @@ class _Rewriter:
         return tp is None or not tp.HasField("tensor_type") or tp.tensor_type.elem_type in _FLOAT_TYPES
 
     def fresh(self, hint: str) -> str:
-        name, k = hint, 1
-        while name in self.taken:
-            name = f"{hint}_{k}"
-            k += 1
-        self.taken.add(name)
-        return name
+        return unique_name(hint, self.taken)
 
     def constant(self, value: np.ndarray, hint: str) -> str:
         name = self.fresh(hint)

@@ -97,7 +97,7 @@ def _ints_only(fn) -> Callable[[Monomial | None, Monomial | None], Monomial | No
     return apply
 
 
-_ARITHMETIC = {"Mul": _mul, "Div": lambda a, b: _div(a, b), "Add": _ints_only(lambda x, y: x + y),
+_ARITHMETIC = {"Mul": _mul, "Div": _div, "Add": _ints_only(lambda x, y: x + y),
                "Sub": _ints_only(lambda x, y: x - y), "Max": _ints_only(max), "Min": _ints_only(min)}
 
 

@@ -74,17 +74,23 @@ class _NodeByNode:
         self.steps = []
         for node in topological_order(graph.node, available):
             opset = opsets.get("" if node.domain == "ai.onnx" else node.domain, 0)
-            ins = [*node.input, *implicit_inputs(node)]
-            self.steps.append((bind_kernel(node, opset, rng, opsets), ins, list(node.output)))
+            self.steps.append((bind_kernel(node, opset, rng, opsets), node_inputs(node), list(node.output)))
 
     def run(self, feeds: Sequence) -> list:
         values = {**self.constants, **dict(zip(self.input_names, feeds)), "": None}
         for fn, ins, outs in self.steps:
-            args = [values[n] for n in ins]
-            while args and args[-1] is None and ins[len(args) - 1] == "":
-                args.pop()  # trailing omitted inputs take the kernel's defaults
-            values.update(zip(outs, fn(*args)))
+            values.update(zip(outs, fn(*(values[n] for n in ins))))
         return [values[n] for n in self.output_names]
+
+
+def node_inputs(node: onnx.NodeProto) -> list[str]:
+    """What a bound kernel is called with, by name: the node's inputs without the trailing omitted
+    ones (their parameters keep the kernel's defaults; "" in the middle passes None), then the
+    outer values its subgraphs read."""
+    ins = list(node.input)
+    while ins and ins[-1] == "":
+        ins.pop()
+    return ins + implicit_inputs(node)
 
 
 def missing_kernels(nodes: Iterable[onnx.NodeProto], opsets: Mapping[str, int]) -> dict[tuple[str, str, int], list[str]]:

@@ -272,9 +272,7 @@ def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: Win
     if M != group:
         X = np.repeat(X, M // group, axis=1)
     padded = np.zeros((N, *geo.reach, M), dtype=X.dtype)
-    keep = [min(n, r - b) for n, r, b in zip(X.shape[2:], geo.reach, geo.begin)]
-    padded[(slice(None), *(slice(b, b + k) for b, k in zip(geo.begin, keep)))] = \
-        _channels_last(X[(..., *(slice(k) for k in keep))])
+    _pad_into(np.moveaxis(padded, -1, 1), X, geo)  # through a channels-first view of the canvas
     # (taps, last output axis, M), contiguous: with the weights spelled out along the last spatial
     # axis too, a stride-1 tap, the weights and Y all hold (last axis, M) as one contiguous run,
     # which numpy's iterator fuses into one inner loop however few the channels

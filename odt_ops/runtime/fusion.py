@@ -112,11 +112,20 @@ class Graph:
     def constant(self, name: str) -> np.ndarray | None:
         return self.constants.get(name) if name else None
 
-    def is_zero(self, name: str) -> bool:
-        """Whether ``name`` is a constant +0 that broadcasts without adding axes (0-d or [1])."""
+    def scalar(self, name: str):
+        """The value of a one-element constant that broadcasts without adding axes (0-d or [1]), else None."""
         value = self.constant(name)
-        return value is not None and value.size == 1 and value.ndim <= 1 and value.reshape(-1)[0] == 0 \
-            and not np.signbit(value.reshape(-1)[0])
+        return value.reshape(-1)[0] if value is not None and value.size == 1 and value.ndim <= 1 else None
+
+    def is_zero(self, name: str) -> bool:
+        """Whether ``name`` is a constant +0 that broadcasts without adding axes."""
+        value = self.scalar(name)
+        return value is not None and value == 0 and not np.signbit(value)
+
+    def is_one(self, name: str) -> bool:
+        """Whether ``name`` is a floating-point constant 1 that broadcasts without adding axes."""
+        value = self.scalar(name)
+        return value is not None and np.asarray(value).dtype.kind == "f" and value == 1
 
     def ints(self, node: onnx.NodeProto, position: int, attribute: str) -> list[int] | None:
         """A constant int list given as input ``position`` (newer opsets) or as an attribute."""
@@ -585,14 +594,9 @@ def _activation_grad_match(g: Graph, outer: onnx.NodeProto):
         y = product.input[0]
         # Sigmoid: Mul(Y, Sub(1, Y)); Tanh: Sub(1, Mul(Y, Y))
         tail = minus.input[1] if op_type == "SigmoidGrad" else product.input[1]
-        if tail == y and _is_one(g, minus.input[0]):
+        if tail == y and g.is_one(minus.input[0]):
             return op_type, [second, first], y, minus.input[0]
     return None
-
-
-def _is_one(g: Graph, name: str) -> bool:
-    value = g.constant(name)
-    return value is not None and value.size == 1 and value.ndim <= 1 and value.dtype.kind == "f" and value.reshape(-1)[0] == 1
 
 
 def _activation_grad_op(first_with_y: bool) -> Factory:

@@ -22,7 +22,7 @@ import onnx
 from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
 from odt_ops.ir.control_flow import implicit_inputs
 from odt_ops.ir.order import topological_order
-from odt_ops.kernels.binding import bind_kernel, missing_kernels
+from odt_ops.kernels.binding import bind_kernel, missing_kernels, node_inputs
 from odt_ops.runtime import fusion, inplace
 from odt_ops.runtime.memory import tune_allocator
 
@@ -118,10 +118,7 @@ class Plan:
         known = set(self._constants) | set(self.input_names)
         steps = []
         for node in nodes:
-            ins = list(node.input)
-            while ins and ins[-1] == "":
-                ins.pop()
-            ins += implicit_inputs(node)  # what its subgraphs read, fed after its inputs
+            ins = node_inputs(node)  # what its subgraphs read comes after its inputs
             for name in ins:
                 if name and name not in known:
                     raise ModelCheckError(f"{node_label(node)} reads {name!r}, which nothing produces")
