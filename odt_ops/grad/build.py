@@ -2,8 +2,8 @@
 
 ``build_gradients`` visits the nodes between the trainable parameters and the loss in
 reverse topological order, seeds d(loss) = 1 and calls each node's rule. The chores
-every rule would otherwise repeat live here, once: summing the gradients of values
-read by several nodes (fan-out), undoing numpy broadcasting for rules registered with
+every rule would otherwise repeat live here, once: totalling the gradients of values
+read by several nodes (fan-out, grad/accumulate.py), undoing numpy broadcasting for rules registered with
 ``broadcasting=True``, skipping frozen parameters and everything that does not lead
 back to a trainable one, and naming the final gradients ``<param>_grad``.
 """
@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 
 from odt_ops.errors import GradientError, UnsupportedOpError
+from odt_ops.grad.accumulate import total
 from odt_ops.grad.coverage import NOT_DIFFERENTIABLE
 from odt_ops.grad.registry import GradContext, lookup_gradient
 from odt_ops.ir.builder import GraphBuilder
@@ -162,7 +163,7 @@ class _Walk:
         if self.loss in self.active:
             pending[self.loss] = [_seed(b, self.loss)]
         for node in reversed(self.path):
-            out_grads = [_total(b, pending.pop(o, None), o) for o in node.output]
+            out_grads = [total(b, pending.pop(o, None), o) for o in node.output]
             if all(g is None for g in out_grads):
                 continue
             needs = tuple(bool(i) and i in self.active for i in node.input)
@@ -175,7 +176,7 @@ class _Walk:
         totals = {}
         for p in self.wrt:
             with b.scope(f"{p}_total"):
-                totals[p] = _total(b, pending.get(p), p) or _zeros(b, p)
+                totals[p] = total(b, pending.get(p), p) or _zeros(b, p)
         shared = Counter(totals.values())
         read = {i for n in b.nodes for i in n.input}
         grads = {p: _named(b, g, grad_names.get(p, f"{p}_grad"), rename=shared[g] == 1, read=read) for p, g in totals.items()}
@@ -255,16 +256,6 @@ def _seed(b: GraphBuilder, loss: str) -> str:
     if shape is not None and all(isinstance(d, int) for d in shape):
         return b.constant(np.ones(shape, dtype=dtype), hint="d_loss")
     return b.ConstantOfShape(b.Shape(loss), value=np.ones((1,), dtype=dtype))
-
-
-def _total(b: GraphBuilder, contributions: list[str] | None, value: str) -> str | None:
-    """The gradient of ``value``: its single contribution, or the Sum of its fan-out."""
-    if not contributions:
-        return None
-    if len(contributions) == 1:
-        return contributions[0]
-    with b.scope(f"sum/{value}"):
-        return b.op("Sum", contributions)
 
 
 def _zeros(b: GraphBuilder, p: str) -> str:

@@ -23,6 +23,7 @@ import onnx
 
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
+from odt_ops.kernels.channels import per_channel
 from odt_ops.kernels.conv import keeps_rows, row_windows, zero_wrapped
 from odt_ops.kernels.elementwise import relu_in_place
 from odt_ops.kernels.geometry import WindowGeometry
@@ -756,23 +757,25 @@ def _batch_norm_training_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     sqrt, reciprocal = _kernel("Sqrt", opset), _kernel("Reciprocal", opset)
     spread = attrs["spread"]
 
-    def run(X, dY, scale, count, eps):
-        def channels(v):  # Unsqueeze(v, spread): a view of the same values
-            return v.reshape([1 if axis in spread else -1 for axis in range(len(spread) + 1)])
+    def along_channels(ufunc, x, v, out=None):  # ufunc(x, Unsqueeze(v, spread))
+        if list(spread) == [0, *range(2, x.ndim)]:  # BatchNormalization's channel axis 1
+            return per_channel(ufunc, x, v, out=out)
+        return ufunc(x, v.reshape([1 if axis in spread else -1 for axis in range(x.ndim)]), out=out)
 
+    def run(X, dY, scale, count, eps):
         if dY.shape != X.shape or dY.dtype != X.dtype:
             raise AssertionError("BatchNormalizationTrainingGrad: dY does not have X's shape and type")
         # one line per node of the rule, in its order; the two arrays of X's size are c and out
-        c = np.subtract(X, mean(X))
+        c = along_channels(np.subtract, X, mean(X))
         inv = reciprocal(sqrt(np.add(np.multiply(einsum(c, c)[0], count), eps))[0])[0]
         sum_dy = total(dY)
         dscale = np.multiply(einsum(dY, c)[0], inv)
         a = np.multiply(scale, inv)
         tilt = np.multiply(np.multiply(a, np.multiply(inv, dscale)), count)
         shift = np.multiply(np.multiply(a, sum_dy), count)
-        correction = np.multiply(c, channels(tilt), out=c)
-        np.add(correction, channels(shift), out=correction)
-        out = np.multiply(dY, channels(a))
+        correction = along_channels(np.multiply, c, tilt, out=c)
+        along_channels(np.add, correction, shift, out=correction)
+        out = along_channels(np.multiply, dY, a)
         return np.subtract(out, correction, out=out), dscale, sum_dy
 
     return run
