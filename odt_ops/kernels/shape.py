@@ -269,13 +269,18 @@ def _split(input: np.ndarray, sizes, axis: int, parts: int, *, uneven: bool) -> 
         sizes = _ints(sizes)
     if min(sizes) < 0 or sum(sizes) != dim:
         raise ValueError(f"Split sizes {sizes} do not partition axis {axis} of size {dim}")
-    # plain Python over the few sizes: an LSTM step splits small gates dozens of times per step,
-    # where np.cumsum and per-part helpers cost more than the views they make
-    lead, parts, start = (slice(None),) * axis, [], 0
+    return tuple(input[cut] for cut in _cuts(axis, tuple(sizes)))
+
+
+@functools.lru_cache(maxsize=256)
+def _cuts(axis: int, sizes: tuple[int, ...]) -> tuple[tuple[slice, ...], ...]:
+    """The index of each part: an LSTM splits small gates several times per step, where
+    building the slices cost more than the views they make."""
+    lead, cuts, start = (slice(None),) * axis, [], 0
     for size in sizes:
-        parts.append(input[(*lead, slice(start, start + size))])
+        cuts.append((*lead, slice(start, start + size)))
         start += size
-    return tuple(parts)
+    return tuple(cuts)
 
 
 @kernel("Split", since=1)
