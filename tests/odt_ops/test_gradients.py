@@ -741,6 +741,87 @@ def test_fan_out_and_chain(seed, batch):
     check("walker", nodes, {"X": normal(rng, (batch, 3)), "W": normal(rng, (3, 3))}, symbolic={"X"})
 
 
+def _producers_of(nodes, name):
+    """The gradient nodes ``name`` is computed from, itself included (walking inputs back)."""
+    made = {o: n for n in nodes for o in n.output}
+    seen, stack, found = set(), [name], []
+    while stack:
+        value = stack.pop()
+        node = made.get(value)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        found.append(node)
+        stack.extend(node.input)
+    return found
+
+
+@SETTINGS
+@given(seed=seeds(), rows=st.lists(st.integers(1, 4), min_size=2, max_size=4), symbolic=st.booleans())
+def test_weight_shared_by_products_totals_as_one_gemm(seed, rows, symbolic):
+    """W multiplies k inputs (a recurrence's weight at every step): its gradient is one Gemm of the
+    stacked inputs and output gradients, not k Gemms and a Sum, and matches finite differences."""
+    rng = np.random.default_rng(seed)
+    if symbolic:  # one symbolic batch names one size: the steps of a recurrence
+        rows = [rows[0]] * len(rows)
+    inputs = {f"X{i}": normal(rng, (r, 3)) for i, r in enumerate(rows)}
+    nodes = [node("MatMul", [x, "W"], [f"P{i}"]) for i, x in enumerate(inputs)]
+    nodes.append(node("Sum", [f"P{i}" for i in range(len(rows))], ["Y"]) if len(set(rows)) == 1 else
+                 node("Concat", [f"P{i}" for i in range(len(rows))], ["Y"], axis=0))
+    feeds = {**inputs, "W": normal(rng, (3, 5))}
+    check("walker", nodes, feeds, symbolic=set(inputs) if symbolic else ())
+    loss_model = with_projection_loss(make_model(nodes, feeds), feeds)
+    grad_nodes, _, grads = build_gradients(loss_model, "loss", ["W"])
+    ops = [n.op_type for n in _producers_of(grad_nodes, grads["W"])]
+    assert ops.count("Gemm") == 1 and "Sum" not in ops, ops
+
+
+@SETTINGS
+@given(seed=seeds(), cuts=st.sampled_from([(0, 2, 5, 6), (0, 1, 6), (0, 3, 4, 5, 6)]), axis=st.sampled_from([0, 1]),
+       order=st.randoms(use_true_random=False))
+def test_slices_that_tile_a_tensor_total_as_their_concat(seed, cuts, axis, order):
+    """W cut into slices read in another order (an exporter reordering LSTM gates): the zero-padded
+    slice gradients tile W, so its gradient is their Concat in place order, with no Pad and no Sum."""
+    rng = np.random.default_rng(seed)
+    shape = (6, 6)
+    parts = list(zip(cuts[:-1], cuts[1:]))
+    order.shuffle(parts)
+    nodes, names = [], []
+    for i, (lo, hi) in enumerate(parts):
+        consts = [f"s{i}", f"e{i}", "axis"]
+        nodes.append(node("Slice", ["W", *consts], [f"S{i}"]))
+        names.append(f"S{i}")
+    nodes.append(node("Concat", names, ["C"], axis=axis))
+    nodes.append(node("Mul", ["C", "Z"], ["Y"]))
+    inits = {"axis": np.array([axis], np.int64)}
+    for i, (lo, hi) in enumerate(parts):
+        inits[f"s{i}"], inits[f"e{i}"] = np.array([lo], np.int64), np.array([hi], np.int64)
+    feeds = {"W": normal(rng, shape), "Z": normal(rng, shape)}
+    check("walker", nodes, feeds, wrt=["W"], initializers=inits)
+    loss_model = with_projection_loss(make_model(nodes, feeds, initializers=inits), feeds)
+    grad_nodes, _, grads = build_gradients(loss_model, "loss", ["W"])
+    ops = [n.op_type for n in _producers_of(grad_nodes, grads["W"])]
+    assert "Pad" not in ops and "Sum" not in ops and "Concat" in ops, ops
+
+
+@SETTINGS
+@given(seed=seeds(), cuts=st.sampled_from([((0, 3), (2, 6)), ((0, 2), (3, 6)), ((0, 6), (1, 2))]))
+def test_slices_that_overlap_or_leave_gaps_keep_the_sum(seed, cuts):
+    """Slices that overlap, or leave part of W unread, do not tile it: their padded gradients are summed."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], {"axis": np.array([0], np.int64)}
+    for i, (lo, hi) in enumerate(cuts):
+        nodes.append(node("Slice", ["W", f"s{i}", f"e{i}", "axis"], [f"S{i}"]))
+        inits[f"s{i}"], inits[f"e{i}"] = np.array([lo], np.int64), np.array([hi], np.int64)
+    nodes.append(node("Concat", ["S0", "S1"], ["Y"], axis=0))
+    feeds = {"W": normal(rng, (6, 4))}
+    check("walker", nodes, feeds, wrt=["W"], initializers=inits)
+    loss_model = with_projection_loss(make_model(nodes, feeds, initializers=inits), feeds)
+    grad_nodes, _, grads = build_gradients(loss_model, "loss", ["W"])
+    ops = [n.op_type for n in _producers_of(grad_nodes, grads["W"])]
+    assert ops.count("Pad") == 2 and "Sum" in ops, ops
+
+
 @SETTINGS
 @given(seed=seeds())
 def test_frozen_parameter_is_skipped(seed):

@@ -354,3 +354,37 @@ def test_group_norm_18_scales_per_group_as_21_scales_per_channel():
     (old,) = nn.group_normalization_18(x, scale, bias, num_groups=3)
     (new,) = nn.group_normalization(x, np.repeat(scale, 2), np.repeat(bias, 2), num_groups=3)
     np.testing.assert_allclose(old, new, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- per-channel arithmetic
+
+
+@pytest.mark.parametrize("shape", [(8, 16, 4, 4), (3, 5, 7), (4, 6), (1, 4, 2, 2), (2, 3, 70, 70), (2, 3, 0, 4)])
+@pytest.mark.parametrize("ufunc", [np.add, np.subtract, np.multiply, np.divide])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_per_channel_is_numpy_broadcasting_bit_for_bit(shape, ufunc, dtype):
+    """per_channel spells the channel values out over one image: the result, written fresh or in
+    place, must be numpy's broadcast of a (1, C, 1, ...) operand, bit for bit."""
+    from odt_ops.kernels.channels import per_channel
+
+    rng = np.random.default_rng(len(shape) * 7 + shape[1])
+    x = rng.standard_normal(shape).astype(dtype)
+    v = rng.standard_normal(shape[1]).astype(dtype)
+    want = ufunc(x, v.reshape((1, -1) + (1,) * (x.ndim - 2)))
+    got = per_channel(ufunc, x, v)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    in_place = x.copy()
+    assert per_channel(ufunc, in_place, v, out=in_place) is not None
+    np.testing.assert_array_equal(in_place, want)
+
+
+def test_per_channel_takes_views_and_other_dtypes_as_numpy_does():
+    from odt_ops.kernels.channels import per_channel
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 6, 5, 5)).astype(np.float32)[:, :, ::2]  # not contiguous
+    v64 = rng.standard_normal(6)  # float64 values: numpy's promotion, not a float32 row
+    np.testing.assert_array_equal(per_channel(np.multiply, x, v64), x * v64.reshape(1, -1, 1, 1))
+    v = v64.astype(np.float32)
+    np.testing.assert_array_equal(per_channel(np.add, x, v), x + v.reshape(1, -1, 1, 1))

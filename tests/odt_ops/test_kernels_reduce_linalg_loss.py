@@ -154,6 +154,8 @@ EINSUM = {  # equation -> operand shapes, as functions of three sizes
     "bhqd,bhkd->bhqk": lambda p, q, r: [(2, p, q, r), (2, p, p, r)],
     "ij->": lambda p, q, r: [(p, q)],
     "Ab,bc->Ac": lambda p, q, r: [(p, q), (q, r)],
+    "nchw,nchw->c": lambda p, q, r: [(p, q, r, 2), (p, q, r, 2)],  # a normalization's sums of products
+    "ab, ab -> b": lambda p, q, r: [(p, q), (p, q)],
 }
 
 
