@@ -167,6 +167,15 @@ def test_einsum(seed, equation, p, q, r):
     check("Einsum", feeds, dict(equation=equation), opset=12, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("equation", ["nchw,nchw->c", "ab, ab -> b"])
+def test_einsum_of_same_label_operands(equation):
+    """The form that skips numpy's optimized path (a normalization's per-channel sums of products),
+    on a batch large enough for the sums to be long."""
+    rng = np.random.default_rng(5)
+    feeds = {f"x{i}": rand(rng, s) for i, s in enumerate(EINSUM[equation](8, 16, 64))}
+    check("Einsum", feeds, dict(equation=equation), opset=12, rtol=1e-5, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------- losses
 
 
