@@ -657,20 +657,22 @@ def _divide_by_size_op(attrs: dict, opset: int) -> Callable[..., tuple]:
     return run
 
 
-# ---------------------------------------------------------------- BatchNormalization's training gradient
+# ---------------------------------------------------------------- normalizations' training gradient
 
 
-@fusion("batch_norm_grad")
-def _batch_norm_grad(g: Graph) -> bool:
-    """The BatchNormalization rule's training-mode gradient (grad/rules/nn.py, _batch_norm_training_grad:
-    nine passes over X-sized data, and some fifteen small per-channel nodes) -> one node that runs
-    the same kernels and ufuncs on the same operands, into two arrays of X's size instead of six."""
+@fusion("normalization_grad")
+def _normalization_grad(g: Graph) -> bool:
+    """The training-mode gradient of BatchNormalization (grad/rules/nn.py, _batch_norm_training_grad:
+    nine passes over X-sized data, and some fifteen small per-channel nodes), or of
+    InstanceNormalization, whose rule has the same shape with statistics per (n, c) instance -> one
+    node that runs the same kernels and ufuncs on the same operands, into two arrays of X's size
+    instead of six."""
     changed = False
     for sub in [n for n in g.nodes if n.op_type == "Sub" and n.domain in STANDARD]:
-        match = _match_batch_norm_grad(g, sub)
+        match = _match_normalization_grad(g, sub)
         if match is not None:
             nodes, inputs, outputs, attrs = match
-            fused = _fused_node("BatchNormalizationTrainingGrad", inputs, outputs, f"fused/{sub.name or sub.output[0]}", **attrs)
+            fused = _fused_node("NormalizationTrainingGrad", inputs, outputs, f"fused/{sub.name or sub.output[0]}", **attrs)
             changed = g.replace(nodes, fused) or changed
     return changed
 
@@ -690,7 +692,7 @@ class _Chain:
         return node
 
 
-def _match_batch_norm_grad(g: Graph, sub: onnx.NodeProto):
+def _match_normalization_grad(g: Graph, sub: onnx.NodeProto):
     """(nodes, inputs, outputs, attributes) if ``sub`` ends the rule's training gradient, else None.
     Every value inside stays inside, but d scale and sum(dY)."""
     walk = _Chain(g)
@@ -750,23 +752,25 @@ def _reducer(op_type: str, opset: int, axes: list[int], keepdims: int) -> Callab
     return lambda x: entry.fn(x, axes=list(axes), keepdims=keepdims)[0]
 
 
-@fused_op("BatchNormalizationTrainingGrad")
-def _batch_norm_training_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
+@fused_op("NormalizationTrainingGrad")
+def _normalization_training_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     mean, total = _reducer("ReduceMean", opset, attrs["axes"], 1), _reducer("ReduceSum", opset, attrs["axes"], 0)
     einsum = _kernel("Einsum", opset, equation=attrs["equation"])
     sqrt, reciprocal = _kernel("Sqrt", opset), _kernel("Reciprocal", opset)
     spread = attrs["spread"]
 
-    def along_channels(ufunc, x, v, out=None):  # ufunc(x, Unsqueeze(v, spread))
-        if list(spread) == [0, *range(2, x.ndim)]:  # BatchNormalization's channel axis 1
+    def along_channels(ufunc, x, v, out=None, *, kept=False):
+        """ufunc(x, Unsqueeze(v, spread)), or ufunc(x, v) for a ``kept`` (keepdims) statistic."""
+        if list(spread) == [0, *range(2, x.ndim)]:  # BatchNormalization's: one value per channel
             return per_channel(ufunc, x, v, out=out)
-        return ufunc(x, v.reshape([1 if axis in spread else -1 for axis in range(x.ndim)]), out=out)
+        # InstanceNormalization's rule has the same shape, with one value per (n, c) instance
+        return ufunc(x, v if kept else np.expand_dims(v, tuple(spread)), out=out)
 
     def run(X, dY, scale, count, eps):
         if dY.shape != X.shape or dY.dtype != X.dtype:
-            raise AssertionError("BatchNormalizationTrainingGrad: dY does not have X's shape and type")
+            raise AssertionError("NormalizationTrainingGrad: dY does not have X's shape and type")
         # one line per node of the rule, in its order; the two arrays of X's size are c and out
-        c = along_channels(np.subtract, X, mean(X))
+        c = along_channels(np.subtract, X, mean(X), kept=True)
         inv = reciprocal(sqrt(np.add(np.multiply(einsum(c, c)[0], count), eps))[0])[0]
         sum_dy = total(dY)
         dscale = np.multiply(einsum(dY, c)[0], inv)

@@ -96,7 +96,7 @@ def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
     fused = _assert_fused_equals_unfused(directory, *_cnn_data(8))
     # the two convolutions' weight-gradient columns: zero-padded taps read as row windows
     assert Counter(fused.fusions) == {"ScatterIntoZeros": 2, "SoftmaxCrossEntropyLossGrad": 1, "WindowColumns": 2,
-                                     "DivideBySize": 2 if batchnorm else 1, **({"BatchNormalizationTrainingGrad": 1} if batchnorm else {})}
+                                     "DivideBySize": 2 if batchnorm else 1, **({"NormalizationTrainingGrad": 1} if batchnorm else {})}
     # both MaxPool gradients scatter only where the ReLU before the pool let the value through
     assert [len(s.node.input) for s in fused.steps if s.node.op_type == "ScatterIntoZeros"] == [4, 4]
     assert not any(s.node.op_type in ("Greater", "Where", "ConstantOfShape", "ScatterElements") for s in fused.steps)
@@ -104,6 +104,42 @@ def test_cnn_fused_plan_equals_the_graph_as_written(tmp_path, batchnorm):
         assert not any(s.node.op_type in ("Unsqueeze", "Concat") for s in fused.steps)
     # the window taps are one node; a Slice is left only where an input gradient flips a kernel
     assert all(s.node.input[0].endswith(".weight") for s in fused.steps if s.node.op_type == "Slice")
+
+
+def _instance_normed(grouped: bool) -> onnx.ModelProto:
+    """Conv 6 3x3 -> InstanceNormalization (per channel; or, as torch exports GroupNorm(3, 6), over
+    (N, 3, 2*H*W) between two Reshapes, then the affine Mul and Add) -> ReLU -> Flatten -> Gemm 10."""
+    rng = np.random.default_rng(1)
+    arrays = {"conv.weight": rng.standard_normal((6, 1, 3, 3)), "conv.bias": np.zeros(6)}
+    nodes = [helper.make_node("Conv", ["input", "conv.weight", "conv.bias"], ["c"], pads=[1, 1, 1, 1])]
+    if grouped:
+        arrays.update({"groups": np.array([0, 3, -1]), "back": np.array([0, 6, 7, 7]), "ones": np.ones(3), "zeros": np.zeros(3),
+                       "gn.weight": rng.uniform(0.5, 2, (6, 1, 1)), "gn.bias": rng.standard_normal((6, 1, 1))})
+        nodes += [helper.make_node("Reshape", ["c", "groups"], ["g"]),
+                  helper.make_node("InstanceNormalization", ["g", "ones", "zeros"], ["gn"], epsilon=1e-5),
+                  helper.make_node("Reshape", ["gn", "back"], ["r"]),
+                  helper.make_node("Mul", ["r", "gn.weight"], ["s"]), helper.make_node("Add", ["s", "gn.bias"], ["n"])]
+    else:
+        arrays.update({"in.weight": rng.uniform(0.5, 2, 6), "in.bias": rng.standard_normal(6)})
+        nodes.append(helper.make_node("InstanceNormalization", ["c", "in.weight", "in.bias"], ["n"], epsilon=1e-5))
+    arrays["fc.weight"] = rng.standard_normal((10, 6 * 7 * 7)) * 0.1
+    nodes += [helper.make_node("Relu", ["n"], ["h"]), helper.make_node("Flatten", ["h"], ["f"], axis=1),
+              helper.make_node("Gemm", ["f", "fc.weight"], ["output"], transB=1)]
+    inits = [numpy_helper.from_array(v.astype(np.int64 if n in ("groups", "back") else np.float32), n) for n, v in arrays.items()]
+    graph = helper.make_graph(nodes, "instance_normed", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 7, 7])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 10])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_instance_norm_gradient_fuses_bit_for_bit(tmp_path, grouped):
+    """InstanceNormalization's rule has BatchNormalization's shape with per-instance statistics:
+    the same fused node runs it, equal to the graph as written."""
+    trainable = ["conv*", "fc*", "gn.*"] if grouped else ["conv*", "fc*", "in.*"]
+    directory = _generate(tmp_path, _instance_normed(grouped), trainable=trainable)
+    rng = np.random.default_rng(2)
+    fused = _assert_fused_equals_unfused(directory, rng.standard_normal((4, 1, 7, 7)).astype(np.float32), rng.integers(0, 10, 4))
+    assert Counter(fused.fusions)["NormalizationTrainingGrad"] == 1
 
 
 WEIGHT = [0.5, 2.0, 1.0, 0.25, 1.0, 1.0, 1.0, 1.0, 3.0, 1.0]

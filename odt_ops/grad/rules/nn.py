@@ -154,16 +154,38 @@ def layer_normalization_grad(ctx, dY, dMean=None, dInvStdDev=None):
 
 @gradient("InstanceNormalization")
 def instance_normalization_grad(ctx, dY):
-    """dX by the standardization formula over the spatial axes with g = dY * scale[c];
-    d scale = sum(dY * xhat), d B = sum(dY) over N and the spatial axes"""
+    """Per (n, c) instance over the spatial axes (S elements), in nine passes over X-sized data (the
+    standardization formula takes sixteen): c = X - mean(X); per instance, by Einsum sums of products,
+    var = sum(c * c) / S and sum(dY * c); then with a = scale * inv_std,
+    dX = dY * a - (c * (a * inv_std * inv_std * sum(dY * c) / S) + a * sum(dY) / S),
+    d scale = sum over n of sum(dY * c) * inv_std, d B = sum(dY) over n and the spatial axes"""
     b, (X, scale, B) = ctx.b, ctx.inputs[:3]
     rank = ctx.rank(X)
+    if rank < 3:
+        raise ctx.fail(f"an input of rank {rank} has no spatial axis")
+    letters = "nc" + "hwdefgijklm"[: rank - 2]
+    instance_sum = f"{letters},{letters}->nc"
     spatial = ctx.ints(list(range(2, rank)))
-    xhat, inv_std = _standardize(ctx, X, spatial, ctx.attrs["epsilon"])
+    mean = b.ReduceMean(X, spatial, keepdims=1)
+    dims = (b.shape(X) or (None,) * rank)[2:]
+    # 1/S, a constant whenever the spatial axes are static (the batch may be symbolic)
+    count = ctx.const(1 / max(math.prod(dims), 1), like=X) if all(isinstance(d, int) for d in dims) else _inverse_count(ctx, X, mean)
+    centered = b.Sub(X, mean)
+    inv_std = b.Reciprocal(b.Sqrt(b.Add(b.Mul(b.Einsum(centered, centered, equation=instance_sum), count),
+                                        ctx.const(ctx.attrs["epsilon"], like=X))))  # (N, C)
+    sum_dy = b.ReduceSum(dY, spatial, keepdims=0)  # (N, C)
+    dscale = b.Mul(b.Einsum(dY, centered, equation=instance_sum), inv_std)  # (N, C): sum(dY * xhat)
     dX = None
     if ctx.needs(0):
-        dX = _standardized_grad(ctx, b.Mul(dY, _per_channel(ctx, scale, X)), xhat, inv_std, spatial)
-    return (dX, *_channel_sums(ctx, dY, xhat, ctx.ints([0, *range(2, rank)]), (scale, B)))
+        a = b.Mul(b.Unsqueeze(_like(ctx, scale, X), ctx.ints([0])), inv_std)
+        tilt = b.Mul(b.Mul(a, b.Mul(inv_std, dscale)), count)
+        shift = b.Mul(b.Mul(a, sum_dy), count)
+        spread = ctx.ints(list(range(2, rank)))
+        correction = b.Add(b.Mul(centered, b.Unsqueeze(tilt, spread)), b.Unsqueeze(shift, spread))
+        dX = b.Sub(b.Mul(dY, b.Unsqueeze(a, spread)), correction)
+    batch = ctx.ints([0])
+    return (dX, _like(ctx, b.ReduceSum(dscale, batch, keepdims=0), scale) if ctx.needs(1) else None,
+            _like(ctx, b.ReduceSum(sum_dy, batch, keepdims=0), B) if ctx.needs(2) else None)
 
 
 @gradient("GroupNormalization")
