@@ -122,8 +122,8 @@ def _sum_by_matmul(data: np.ndarray, axes: Axes) -> np.ndarray | None:
             continue
         before = math.prod(sizes[:i])
         ones = _ones(n, data.dtype)
-        if i == len(sizes) - 1:  # as one matrix: a stack of them is one gemv call per matrix
-            total = total.reshape(-1, n) @ ones
+        if i == len(sizes) - 1:
+            total = total @ ones
         elif before <= 256:
             total = np.matmul(ones, total.reshape(before, n, -1))
         else:
