@@ -134,7 +134,7 @@ def _sum_by_matmul(data: np.ndarray, axes: Axes) -> np.ndarray | None:
 
 
 def _mean(data, axes, keepdims):
-    count = data.size if axes is None else int(np.prod([data.shape[a] for a in axes]))
+    count = data.size if axes is None else math.prod(data.shape[a] for a in axes)  # np.prod of a list: ~7 us
     total = sum_along(data, axes, keepdims)
     if total.dtype.kind == "f":
         return total / total.dtype.type(count)  # stays float32; 0/0 gives NaN for an empty set
@@ -461,7 +461,7 @@ def _per_axis(fn: Callable, x: np.ndarray, axis: int) -> tuple[np.ndarray]:
 def _coerced_2d(fn: Callable, x: np.ndarray, axis: int) -> tuple[np.ndarray]:
     if axis != x.ndim:  # axis == rank is allowed: a single column
         axis = _normalize_axis(axis, x.ndim)
-    rows = int(np.prod(x.shape[:axis]))
+    rows = math.prod(x.shape[:axis])
     return (fn(x.reshape(rows, -1), 1).reshape(x.shape),)
 
 
