@@ -71,29 +71,38 @@ def _channel_sums(ctx, dY: str, xhat: str, axes: str, like: tuple[str, str]) -> 
             None if dbias is None else _like(ctx, dbias, like[1]))
 
 
-def _batch_norm_training_grad(ctx, dY: str, X: str, scale: str, B: str, axes: str, epsilon: float):
-    """With the batch statistics, in nine passes over X-sized data (the straightforward form takes
-    thirteen): c = X - mean(X); per channel (C,) vectors by Einsum sums of products, which read two
-    tensors in one pass without a product tensor: var = sum(c * c) / M, sum(dY * c); then
-    d scale = sum(dY * c) * inv_std, d B = sum(dY), and
-    dX = dY * a - (c * (a * inv_std * d scale / M) + a * sum(dY) / M), a = scale * inv_std."""
-    b, rank = ctx.b, ctx.rank(X)
-    letters = "nc" + "hwdefgijklm"[: rank - 2]
-    channel_sum = f"{letters},{letters}->c"
-    count = _inverse_count(ctx, X, scale)  # 1/M, M elements per channel
+def _statistics_grad(ctx, dY: str, X: str, scale: str, axes: str, equation: str, count: str, epsilon: float,
+                     spread: str, *, per_instance: bool = False) -> tuple[str | None, str, str]:
+    """(dX, sum(dY * xhat), sum(dY)) with the statistics X itself has over ``axes`` (one per channel
+    for BatchNormalization, per (n, c) instance for InstanceNormalization; ``count`` is 1/M, M
+    elements each; ``spread`` unsqueezes a statistic back to X's rank) in nine passes over X-sized
+    data (the straightforward form takes thirteen to sixteen): c = X - mean(X); by Einsum sums of
+    products, which read two tensors in one pass without a product tensor, var = sum(c * c) / M and
+    sum(dY * c); then with a = scale * inv_std (scale per channel, unsqueezed to (1, C) ``per_instance``),
+    dX = dY * a - (c * (a * inv_std * sum(dY * xhat) / M) + a * sum(dY) / M).
+    The runtime runs this graph as one fused node (runtime/fusion.py, normalization_grad)."""
+    b = ctx.b
     centered = b.Sub(X, b.ReduceMean(X, axes, keepdims=1))
-    var = b.Mul(b.Einsum(centered, centered, equation=channel_sum), count)
+    var = b.Mul(b.Einsum(centered, centered, equation=equation), count)
     inv_std = b.Reciprocal(b.Sqrt(b.Add(var, ctx.const(epsilon, like=X))))
     sum_dy = b.ReduceSum(dY, axes, keepdims=0)
-    dscale = b.Mul(b.Einsum(dY, centered, equation=channel_sum), inv_std)
+    dscale = b.Mul(b.Einsum(dY, centered, equation=equation), inv_std)
     dX = None
     if ctx.needs(0):
-        a = b.Mul(_like(ctx, scale, X), inv_std)
+        s = _like(ctx, scale, X)
+        a = b.Mul(b.Unsqueeze(s, ctx.ints([0])) if per_instance else s, inv_std)
         tilt = b.Mul(b.Mul(a, b.Mul(inv_std, dscale)), count)
         shift = b.Mul(b.Mul(a, sum_dy), count)
-        spread = ctx.ints([0, *range(2, rank)])
         correction = b.Add(b.Mul(centered, b.Unsqueeze(tilt, spread)), b.Unsqueeze(shift, spread))
         dX = b.Sub(b.Mul(dY, b.Unsqueeze(a, spread)), correction)
+    return dX, dscale, sum_dy
+
+
+def _batch_norm_training_grad(ctx, dY: str, X: str, scale: str, B: str, axes: str, epsilon: float):
+    """With the batch statistics, one per channel (see _statistics_grad)."""
+    letters = "nc" + "hwdefgijklm"[: ctx.rank(X) - 2]
+    dX, dscale, sum_dy = _statistics_grad(ctx, dY, X, scale, axes, f"{letters},{letters}->c",
+                                          _inverse_count(ctx, X, scale), epsilon, axes)
     return (dX, _like(ctx, dscale, scale) if ctx.needs(1) else None, _like(ctx, sum_dy, B) if ctx.needs(2) else None)
 
 
@@ -154,35 +163,22 @@ def layer_normalization_grad(ctx, dY, dMean=None, dInvStdDev=None):
 
 @gradient("InstanceNormalization")
 def instance_normalization_grad(ctx, dY):
-    """Per (n, c) instance over the spatial axes (S elements), in nine passes over X-sized data (the
-    standardization formula takes sixteen): c = X - mean(X); per instance, by Einsum sums of products,
-    var = sum(c * c) / S and sum(dY * c); then with a = scale * inv_std,
-    dX = dY * a - (c * (a * inv_std * inv_std * sum(dY * c) / S) + a * sum(dY) / S),
-    d scale = sum over n of sum(dY * c) * inv_std, d B = sum(dY) over n and the spatial axes"""
+    """Per (n, c) instance over the spatial axes, in nine passes (see _statistics_grad; the
+    standardization formula took sixteen); d scale = sum over n of the instances' sum(dY * xhat),
+    d B = sum(dY) over n and the spatial axes"""
     b, (X, scale, B) = ctx.b, ctx.inputs[:3]
     rank = ctx.rank(X)
     if rank < 3:
         raise ctx.fail(f"an input of rank {rank} has no spatial axis")
     letters = "nc" + "hwdefgijklm"[: rank - 2]
-    instance_sum = f"{letters},{letters}->nc"
     spatial = ctx.ints(list(range(2, rank)))
-    mean = b.ReduceMean(X, spatial, keepdims=1)
     dims = (b.shape(X) or (None,) * rank)[2:]
-    # 1/S, a constant whenever the spatial axes are static (the batch may be symbolic)
-    count = ctx.const(1 / max(math.prod(dims), 1), like=X) if all(isinstance(d, int) for d in dims) else _inverse_count(ctx, X, mean)
-    centered = b.Sub(X, mean)
-    inv_std = b.Reciprocal(b.Sqrt(b.Add(b.Mul(b.Einsum(centered, centered, equation=instance_sum), count),
-                                        ctx.const(ctx.attrs["epsilon"], like=X))))  # (N, C)
-    sum_dy = b.ReduceSum(dY, spatial, keepdims=0)  # (N, C)
-    dscale = b.Mul(b.Einsum(dY, centered, equation=instance_sum), inv_std)  # (N, C): sum(dY * xhat)
-    dX = None
-    if ctx.needs(0):
-        a = b.Mul(b.Unsqueeze(_like(ctx, scale, X), ctx.ints([0])), inv_std)
-        tilt = b.Mul(b.Mul(a, b.Mul(inv_std, dscale)), count)
-        shift = b.Mul(b.Mul(a, sum_dy), count)
-        spread = ctx.ints(list(range(2, rank)))
-        correction = b.Add(b.Mul(centered, b.Unsqueeze(tilt, spread)), b.Unsqueeze(shift, spread))
-        dX = b.Sub(b.Mul(dY, b.Unsqueeze(a, spread)), correction)
+    if all(isinstance(d, int) for d in dims):  # 1/S, a constant even with a symbolic batch
+        count = ctx.const(1 / max(math.prod(dims), 1), like=X)
+    else:  # from X's shape, never from a value inside the gradient (the fusion needs it outside)
+        count = b.Reciprocal(b.CastLike(b.ReduceProd(b.Slice(b.Shape(X), ctx.ints([2]), ctx.ints([rank])), keepdims=0), X))
+    dX, dscale, sum_dy = _statistics_grad(ctx, dY, X, scale, spatial, f"{letters},{letters}->nc", count,
+                                          ctx.attrs["epsilon"], spatial, per_instance=True)
     batch = ctx.ints([0])
     return (dX, _like(ctx, b.ReduceSum(dscale, batch, keepdims=0), scale) if ctx.needs(1) else None,
             _like(ctx, b.ReduceSum(sum_dy, batch, keepdims=0), B) if ctx.needs(2) else None)
