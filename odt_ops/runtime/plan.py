@@ -1,7 +1,7 @@
 """Compiled execution plans.
 
 Compiling resolves, once, everything a run would otherwise look up: topological
-order, the engine's fusions (runtime/fusion.py: node groups rewritten into fewer,
+order, the engine's fusions (runtime/fusion/: node groups rewritten into fewer,
 equal computations), the kernel of each node with its attributes bound, and the step
 after which each intermediate can be freed. The run itself is generated as one
 straight-line Python function, a local variable per value and a line per node, so
@@ -34,7 +34,7 @@ _PLANS = itertools.count(1)  # each plan's generated source gets its own file na
 def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None = None,
               opsets: Mapping[str, int] | None = None) -> Callable[..., tuple]:
     """The node's kernel with attributes and engine keywords bound; the engine's fused nodes
-    (runtime/fusion.py) are bound by the fusion that made them."""
+    (runtime/fusion/) are bound by the fusion that made them."""
     if node.domain == fusion.DOMAIN:
         return fusion.bind(node, opset)
     return bind_kernel(node, opset, rng, opsets, compile_subgraph=Plan)  # control-flow bodies run as plans too

@@ -80,7 +80,7 @@ def _statistics_grad(ctx, dY: str, X: str, scale: str, axes: str, equation: str,
     products, which read two tensors in one pass without a product tensor, var = sum(c * c) / M and
     sum(dY * c); then with a = scale * inv_std (scale per channel, unsqueezed to (1, C) ``per_instance``),
     dX = dY * a - (c * (a * inv_std * sum(dY * xhat) / M) + a * sum(dY) / M).
-    The runtime runs this graph as one fused node (runtime/fusion.py, normalization_grad)."""
+    The runtime runs this graph as one fused node (runtime/fusion/normalization.py)."""
     b = ctx.b
     centered = b.Sub(X, b.ReduceMean(X, axes, keepdims=1))
     var = b.Mul(b.Einsum(centered, centered, equation=equation), count)

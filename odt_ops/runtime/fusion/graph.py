@@ -1,0 +1,169 @@
+"""The fusions' registry and the node list they rewrite: ``@fusion`` passes, ``@fused_op``
+implementations, ``Graph`` with its producer/consumer lookups, and the helpers every family uses."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from odt_ops.ir.attributes import node_attributes
+from odt_ops.kernels import lookup
+
+DOMAIN = "odt_ops.fused"
+STANDARD = ("", "ai.onnx")
+
+Pass = Callable[["Graph"], bool]
+Factory = Callable[[dict, int], Callable[..., tuple]]  # (fused node attributes, ai.onnx opset) -> kernel
+
+FUSIONS: dict[str, Pass] = {}
+_OPS: dict[str, Factory] = {}
+
+
+def fusion(name: str) -> Callable[[Pass], Pass]:
+    def register(fn: Pass) -> Pass:
+        assert name not in FUSIONS, f"fusion {name} registered twice"
+        FUSIONS[name] = fn
+        return fn
+    return register
+
+
+def fused_op(op_type: str) -> Callable[[Factory], Factory]:
+    def register(fn: Factory) -> Factory:
+        assert op_type not in _OPS, f"fused op {op_type} registered twice"
+        _OPS[op_type] = fn
+        return fn
+    return register
+
+
+def bind(node: onnx.NodeProto, opset: int) -> Callable[..., tuple]:
+    """The implementation of a fused node; ``opset`` is the graph's ai.onnx opset."""
+    return _OPS[node.op_type](node_attributes(node), opset)
+
+
+def fuse(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: Iterable[str],
+         only: Iterable[str] | None = None) -> list[onnx.NodeProto]:
+    """The nodes with every fusion (or those named in ``only``) applied; ``keep`` must survive."""
+    unknown = set(only or ()) - set(FUSIONS)
+    if unknown:
+        raise ValueError(f"unknown fusion(s) {sorted(unknown)}; the fusions are {list(FUSIONS)}")
+    graph = Graph(nodes, constants, set(keep))
+    for name, run in FUSIONS.items():
+        if only is None or name in only:
+            run(graph)
+    return graph.nodes
+
+
+class Graph:
+    """The node list a fusion rewrites, with producer/consumer lookups and its constants."""
+
+    def __init__(self, nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: set[str]):
+        self.nodes = list(nodes)
+        self.constants = constants
+        self.keep = keep
+        self._index()
+
+    def _index(self) -> None:
+        self._producer: dict[str, onnx.NodeProto] = {}
+        self._consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in self.nodes:
+            for name in node.output:
+                self._producer[name] = node
+            for name in node.input:
+                self._consumers.setdefault(name, []).append(node)
+
+    def producer(self, name: str, op_type: str, domains: tuple[str, ...] = STANDARD) -> onnx.NodeProto | None:
+        node = self._producer.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in domains else None
+
+    def consumers(self, name: str) -> list[onnx.NodeProto]:
+        return self._consumers.get(name, [])
+
+    def sole_reader(self, name: str, op_type: str, position: int | None = None,
+                    domains: tuple[str, ...] = STANDARD) -> onnx.NodeProto | None:
+        """The one node reading ``name``, if it is an ``op_type`` (reading it at ``position``) and
+        nothing else needs the value."""
+        readers = self.consumers(name)
+        if name in self.keep or len(readers) != 1:
+            return None
+        node = readers[0]
+        if node.op_type != op_type or node.domain not in domains or list(node.input).count(name) != 1:
+            return None
+        return node if position is None or node.input[position] == name else None
+
+    def constant(self, name: str) -> np.ndarray | None:
+        return self.constants.get(name) if name else None
+
+    def scalar(self, name: str):
+        """The value of a one-element constant that broadcasts without adding axes (0-d or [1]), else None."""
+        value = self.constant(name)
+        return value.reshape(-1)[0] if value is not None and value.size == 1 and value.ndim <= 1 else None
+
+    def is_zero(self, name: str) -> bool:
+        """Whether ``name`` is a constant +0 that broadcasts without adding axes."""
+        value = self.scalar(name)
+        return value is not None and value == 0 and not np.signbit(value)
+
+    def is_one(self, name: str) -> bool:
+        """Whether ``name`` is a floating-point constant 1 that broadcasts without adding axes."""
+        value = self.scalar(name)
+        return value is not None and np.asarray(value).dtype.kind == "f" and value == 1
+
+    def ints(self, node: onnx.NodeProto, position: int, attribute: str) -> list[int] | None:
+        """A constant int list given as input ``position`` (newer opsets) or as an attribute."""
+        if len(node.input) > position and node.input[position]:
+            value = self.constant(node.input[position])
+            return None if value is None or value.dtype.kind not in "iu" else [int(v) for v in value.reshape(-1)]
+        value = node_attributes(node).get(attribute)
+        return None if value is None else [int(v) for v in np.atleast_1d(value)]
+
+    def replace(self, old: Sequence[onnx.NodeProto], new: onnx.NodeProto) -> bool:
+        """Put ``new`` where the last of ``old`` was (the plan sorts again afterwards); False, and
+        nothing changed, when an input of ``new`` is computed from an output of ``old`` (a cycle)
+        or when ``new`` drops a value of ``old`` that another node or the caller needs."""
+        produced = {name for n in old for name in n.output if name}
+        spent = {id(n) for n in old}
+        needed = [name for name in produced - set(new.output)
+                  if name in self.keep or any(id(r) not in spent for r in self.consumers(name))]
+        if needed or self._reaches(new.input, produced):
+            return False
+        drop = {id(n) for n in old}
+        at = max(i for i, n in enumerate(self.nodes) if id(n) in drop)
+        self.nodes = [new if i == at else n for i, n in enumerate(self.nodes) if id(n) not in drop or i == at]
+        self._index()
+        return True
+
+    def _reaches(self, names: Iterable[str], targets: set[str]) -> bool:
+        """Whether any of ``names`` is, or is computed from, one of ``targets``."""
+        seen: set[str] = set()
+        stack = [n for n in names if n]
+        while stack:
+            name = stack.pop()
+            if name in targets:
+                return True
+            if name in seen:
+                continue
+            seen.add(name)
+            node = self._producer.get(name)
+            if node is not None:
+                stack.extend(n for n in node.input if n)
+        return False
+
+
+def fused_node(op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str, **attrs) -> onnx.NodeProto:
+    return onnx.helper.make_node(op_type, list(inputs), list(outputs), name=name, domain=DOMAIN,
+                                 **{k: v for k, v in attrs.items() if v is not None})
+
+
+def kernel_entry(op_type: str, opset: int):
+    """The registry entry of the ai.onnx kernel a fused node runs at ``opset``."""
+    entry = lookup("", op_type, opset)
+    if entry is None:
+        raise AssertionError(f"fused op needs a kernel for {op_type} at opset {opset}")
+    return entry
+
+
+def kernel_of(op_type: str, opset: int, **attrs) -> Callable[..., tuple]:
+    """That kernel with ``attrs`` bound."""
+    entry = kernel_entry(op_type, opset)
+    return lambda *args: entry.fn(*args, **attrs)
