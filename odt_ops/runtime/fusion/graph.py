@@ -20,20 +20,19 @@ FUSIONS: dict[str, Pass] = {}
 _OPS: dict[str, Factory] = {}
 
 
-def fusion(name: str) -> Callable[[Pass], Pass]:
-    def register(fn: Pass) -> Pass:
-        assert name not in FUSIONS, f"fusion {name} registered twice"
-        FUSIONS[name] = fn
-        return fn
-    return register
+def _registrar(table: dict, kind: str):
+    """A decorator factory that files a function in ``table`` under a key given once."""
+    def register_as(key: str):
+        def register(fn):
+            assert key not in table, f"{kind} {key} registered twice"
+            table[key] = fn
+            return fn
+        return register
+    return register_as
 
 
-def fused_op(op_type: str) -> Callable[[Factory], Factory]:
-    def register(fn: Factory) -> Factory:
-        assert op_type not in _OPS, f"fused op {op_type} registered twice"
-        _OPS[op_type] = fn
-        return fn
-    return register
+fusion: Callable[[str], Callable[[Pass], Pass]] = _registrar(FUSIONS, "fusion")  # a named pass
+fused_op: Callable[[str], Callable[[Factory], Factory]] = _registrar(_OPS, "fused op")  # a fused node's implementation
 
 
 def bind(node: onnx.NodeProto, opset: int) -> Callable[..., tuple]:
