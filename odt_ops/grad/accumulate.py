@@ -21,6 +21,8 @@ import onnx
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.builder import GraphBuilder
 
+_STANDARD = ("", "ai.onnx")
+
 
 def total(b: GraphBuilder, contributions: list[str] | None, value: str) -> str | None:
     """The gradient of ``value``: its single contribution, or the total of its fan-out."""
@@ -62,7 +64,7 @@ def _stacked_product(b: GraphBuilder, producers: list[onnx.NodeProto], value: st
     left, right = [], []
     for node in producers:
         attrs = node_attributes(node)
-        if (node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.input) != 2
+        if (node.op_type != "Gemm" or node.domain not in _STANDARD or len(node.input) != 2
                 or attrs.get("transA", 0) != 1 or attrs.get("transB", 0) != 0 or attrs.get("alpha", 1.0) != 1.0):
             return None
         left.append(node.input[0])
@@ -109,17 +111,15 @@ def _tiled_concat(b: GraphBuilder, producers: list[onnx.NodeProto], value: str) 
 def _zero_pad_on_one_axis(b: GraphBuilder, node: onnx.NodeProto, rank: int) -> tuple[int, int, int] | None:
     """(axis, begin, end) of a constant-mode Pad with zero fill and non-negative constant pads
     on exactly one axis; else None."""
-    if node.op_type != "Pad" or node.domain not in ("", "ai.onnx") or node_attributes(node).get("mode", "constant") != "constant":
+    if node.op_type != "Pad" or node.domain not in _STANDARD or node_attributes(node).get("mode", "constant") != "constant":
         return None
     inputs = list(node.input) + [""] * (4 - len(node.input))
     pads = b.value(inputs[1]) if inputs[1] else None
     fill = b.value(inputs[2]) if inputs[2] else None
     axes = b.value(inputs[3]) if inputs[3] else None
-    if pads is None or (inputs[2] and (fill is None or fill.size != 1 or fill.reshape(-1)[0] != 0)):
+    if pads is None or (inputs[2] and (fill is None or fill.size != 1 or fill.reshape(-1)[0] != 0)) or (inputs[3] and axes is None):
         return None
     axes_ = [int(a) % rank for a in axes.reshape(-1)] if axes is not None else list(range(rank))
-    if inputs[3] and axes is None:
-        return None
     pads_ = [int(p) for p in pads.reshape(-1)]
     if len(pads_) != 2 * len(axes_) or min(pads_, default=0) < 0:
         return None

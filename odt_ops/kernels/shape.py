@@ -274,7 +274,7 @@ def _split(input: np.ndarray, sizes, axis: int, parts: int, *, uneven: bool) -> 
         sizes = [chunk] * (parts - 1) + [dim - chunk * (parts - 1)]
     else:
         sizes = _ints(sizes)
-    if min(sizes) < 0 or sum(sizes) != dim:
+    if min(sizes, default=0) < 0 or sum(sizes) != dim:
         raise ValueError(f"Split sizes {sizes} do not partition axis {axis} of size {dim}")
     return tuple(input[cut] for cut in _cuts(axis, tuple(sizes)))
 
@@ -283,9 +283,9 @@ def _split(input: np.ndarray, sizes, axis: int, parts: int, *, uneven: bool) -> 
 def _cuts(axis: int, sizes: tuple[int, ...]) -> tuple[tuple[slice, ...], ...]:
     """The index of each part: an LSTM splits small gates several times per step, where
     building the slices cost more than the views they make."""
-    lead, cuts, start = (slice(None),) * axis, [], 0
+    cuts, start = [], 0
     for size in sizes:
-        cuts.append((*lead, slice(start, start + size)))
+        cuts.append(_along(axis, slice(start, start + size)))
         start += size
     return tuple(cuts)
 

@@ -71,17 +71,19 @@ def _channel_sums(ctx, dY: str, xhat: str, axes: str, like: tuple[str, str]) -> 
             None if dbias is None else _like(ctx, dbias, like[1]))
 
 
-def _statistics_grad(ctx, dY: str, X: str, scale: str, axes: str, equation: str, count: str, epsilon: float,
-                     spread: str, *, per_instance: bool = False) -> tuple[str | None, str, str]:
+def _statistics_grad(ctx, dY: str, X: str, scale: str, axes: str, count: str, epsilon: float,
+                     *, per_instance: bool = False) -> tuple[str | None, str, str]:
     """(dX, sum(dY * xhat), sum(dY)) with the statistics X itself has over ``axes`` (one per channel
     for BatchNormalization, per (n, c) instance for InstanceNormalization; ``count`` is 1/M, M
-    elements each; ``spread`` unsqueezes a statistic back to X's rank) in nine passes over X-sized
+    elements each; a statistic is unsqueezed back to X's rank along ``axes``) in nine passes over X-sized
     data (the straightforward form takes thirteen to sixteen): c = X - mean(X); by Einsum sums of
     products, which read two tensors in one pass without a product tensor, var = sum(c * c) / M and
     sum(dY * c); then with a = scale * inv_std (scale per channel, unsqueezed to (1, C) ``per_instance``),
     dX = dY * a - (c * (a * inv_std * sum(dY * xhat) / M) + a * sum(dY) / M).
     The runtime runs this graph as one fused node (runtime/fusion/normalization.py)."""
     b = ctx.b
+    letters = "nc" + "hwdefgijklm"[: ctx.rank(X) - 2]
+    equation = f"{letters},{letters}->{'nc' if per_instance else 'c'}"
     centered = b.Sub(X, b.ReduceMean(X, axes, keepdims=1))
     var = b.Mul(b.Einsum(centered, centered, equation=equation), count)
     inv_std = b.Reciprocal(b.Sqrt(b.Add(var, ctx.const(epsilon, like=X))))
@@ -93,16 +95,14 @@ def _statistics_grad(ctx, dY: str, X: str, scale: str, axes: str, equation: str,
         a = b.Mul(b.Unsqueeze(s, ctx.ints([0])) if per_instance else s, inv_std)
         tilt = b.Mul(b.Mul(a, b.Mul(inv_std, dscale)), count)
         shift = b.Mul(b.Mul(a, sum_dy), count)
-        correction = b.Add(b.Mul(centered, b.Unsqueeze(tilt, spread)), b.Unsqueeze(shift, spread))
-        dX = b.Sub(b.Mul(dY, b.Unsqueeze(a, spread)), correction)
+        correction = b.Add(b.Mul(centered, b.Unsqueeze(tilt, axes)), b.Unsqueeze(shift, axes))
+        dX = b.Sub(b.Mul(dY, b.Unsqueeze(a, axes)), correction)
     return dX, dscale, sum_dy
 
 
 def _batch_norm_training_grad(ctx, dY: str, X: str, scale: str, B: str, axes: str, epsilon: float):
     """With the batch statistics, one per channel (see _statistics_grad)."""
-    letters = "nc" + "hwdefgijklm"[: ctx.rank(X) - 2]
-    dX, dscale, sum_dy = _statistics_grad(ctx, dY, X, scale, axes, f"{letters},{letters}->c",
-                                          _inverse_count(ctx, X, scale), epsilon, axes)
+    dX, dscale, sum_dy = _statistics_grad(ctx, dY, X, scale, axes, _inverse_count(ctx, X, scale), epsilon)
     return (dX, _like(ctx, dscale, scale) if ctx.needs(1) else None, _like(ctx, sum_dy, B) if ctx.needs(2) else None)
 
 
@@ -170,15 +170,13 @@ def instance_normalization_grad(ctx, dY):
     rank = ctx.rank(X)
     if rank < 3:
         raise ctx.fail(f"an input of rank {rank} has no spatial axis")
-    letters = "nc" + "hwdefgijklm"[: rank - 2]
     spatial = ctx.ints(list(range(2, rank)))
     dims = (b.shape(X) or (None,) * rank)[2:]
     if all(isinstance(d, int) for d in dims):  # 1/S, a constant even with a symbolic batch
         count = ctx.const(1 / max(math.prod(dims), 1), like=X)
     else:  # from X's shape, never from a value inside the gradient (the fusion needs it outside)
         count = b.Reciprocal(b.CastLike(b.ReduceProd(b.Slice(b.Shape(X), ctx.ints([2]), ctx.ints([rank])), keepdims=0), X))
-    dX, dscale, sum_dy = _statistics_grad(ctx, dY, X, scale, spatial, f"{letters},{letters}->nc", count,
-                                          ctx.attrs["epsilon"], spatial, per_instance=True)
+    dX, dscale, sum_dy = _statistics_grad(ctx, dY, X, scale, spatial, count, ctx.attrs["epsilon"], per_instance=True)
     batch = ctx.ints([0])
     return (dX, _like(ctx, b.ReduceSum(dscale, batch, keepdims=0), scale) if ctx.needs(1) else None,
             _like(ctx, b.ReduceSum(sum_dy, batch, keepdims=0), B) if ctx.needs(2) else None)

@@ -107,14 +107,16 @@ def _normalization_training_grad(attrs: dict, opset: int) -> Callable[..., tuple
     mean, total = _reducer("ReduceMean", opset, attrs["axes"], 1), _reducer("ReduceSum", opset, attrs["axes"], 0)
     einsum = kernel_of("Einsum", opset, equation=attrs["equation"])
     sqrt, reciprocal = kernel_of("Sqrt", opset), kernel_of("Reciprocal", opset)
-    spread = attrs["spread"]
+    spread = tuple(attrs["spread"])
+    # BatchNormalization's layout, one value per channel: every axis but 1 (X's rank is len(spread) + 1)
+    channel_statistics = spread == (0, *range(2, len(spread) + 1))
 
     def along_channels(ufunc, x, v, out=None, *, kept=False):
         """ufunc(x, Unsqueeze(v, spread)), or ufunc(x, v) for a ``kept`` (keepdims) statistic."""
-        if list(spread) == [0, *range(2, x.ndim)]:  # BatchNormalization's: one value per channel
+        if channel_statistics:
             return per_channel(ufunc, x, v, out=out)
         # InstanceNormalization's rule has the same shape, with one value per (n, c) instance
-        return ufunc(x, v if kept else np.expand_dims(v, tuple(spread)), out=out)
+        return ufunc(x, v if kept else np.expand_dims(v, spread), out=out)
 
     def run(X, dY, scale, count, eps):
         if dY.shape != X.shape or dY.dtype != X.dtype:
