@@ -7,7 +7,9 @@ reach (no copy at all when they stay inside the input).
 
 Speed notes (numpy is ~3x slower on ufuncs over short strided rows than over long
 contiguous runs, so most of what follows is about layouts):
-- Conv is im2col: a strided window view of the padded input, copied once into
+- Conv at stride 1, one group, over at least as many input channels as outputs, is a GEMM
+  per kernel tap read straight from flat padded planes, summed (``_conv_taps``): no im2col.
+- Any other Conv is im2col: a strided window view of the padded input, copied once into
   (N, group, C/group * kernel + 1, positions) whose last row is ones, then one batched
   matmul against the weights with the bias as an extra column, landing directly in
   NCHW. At stride 1 the windows are read from flattened padded planes, one flat offset
@@ -192,6 +194,56 @@ def _batch_steps(N: int, per_image: int) -> Iterator[slice]:
     return (slice(i, min(N, i + step)) for i in range(0, N, step))
 
 
+_TAP_BLOCK_BYTES = 1 << 20  # ``_conv_taps``: an image block's planes and results, kept in the core's cache
+_TAP_MIN_CHANNELS = 8  # below this a tap's GEMM is too thin (K = C): im2col's one GEMM of K = C * taps wins
+
+
+def _tap_bytes(X: np.ndarray, M: int, geo: WindowGeometry) -> int:
+    """One image's working set in ``_conv_taps``: its padded planes, and its results twice (sum and term)."""
+    span = geo.out[0] * math.prod(geo.reach[1:])
+    return (X.shape[1] * math.prod(geo.reach) + 2 * M * span) * X.itemsize
+
+
+def _takes_taps(X: np.ndarray, W: np.ndarray, geo: WindowGeometry, group: int) -> bool:
+    """Whether ``_conv_taps`` is the faster form: one group, stride 1, a spatial kernel, at least as
+    many input channels as outputs (the per-tap sums cost M * positions each, im2col's copy C * taps
+    per position) and an image that fits the cache block (a ResNet 56x56x64 layer ran 1.3x slower)."""
+    M, C = W.shape[0], X.shape[1]
+    return (group == 1 and _TAP_MIN_CHANNELS <= C and M <= C and len(geo.kernel) > 1 and math.prod(geo.kernel) > 1
+            and all(s == 1 for s in geo.strides) and _tap_bytes(X, M, geo) <= _TAP_BLOCK_BYTES)
+
+
+def _conv_taps(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGeometry) -> np.ndarray:
+    """A stride-1 convolution as one GEMM per kernel tap over flat planes, summed: no im2col.
+
+    On the zero-padded planes flattened (``_flat_planes``), tap t reads every output position's
+    input at one flat offset, so its operand is a plain slice of the planes that BLAS reads in
+    place (row pitch = the plane), and Y = sum over taps of W[:, :, t] @ planes[..., offset_t:].
+    The im2col form copies C * taps rows per position first (37 MB for one UNet layer at batch
+    32) and reads them back; this reads the planes once per tap from cache, blocked by images
+    so that a block's planes and results stay there. Measured 1.2-2.2x faster on UNet's 3x3 and
+    5x5 layers that keep or narrow the channels; see ``_takes_taps`` for where it is slower."""
+    N, C = X.shape[:2]
+    M = W.shape[0]
+    dtype = np.result_type(X, W)
+    planes, offsets, span = _flat_planes(X, geo)
+    weights = np.ascontiguousarray(W.reshape(M, C, len(offsets)).transpose(2, 0, 1), dtype=dtype)  # (taps, M, C)
+    Y = np.empty((N, M, span), dtype=dtype)
+    block = max(1, _TAP_BLOCK_BYTES // _tap_bytes(X, M, geo))
+    term = np.empty((min(N, block), M, span), dtype=dtype)
+    for start in range(0, N, block):
+        images = slice(start, min(N, start + block))
+        Yb, tb = Y[images], term[: images.stop - images.start]
+        for t, offset in enumerate(offsets):
+            np.matmul(weights[t], planes[images, :, offset:offset + span], out=tb if t else Yb)
+            if t:
+                Yb += tb
+    Y = _crop_flat(Y, geo)
+    if B is not None:
+        _add_bias(Y, B)
+    return Y
+
+
 def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGeometry, group: int) -> np.ndarray:
     """im2col + one batched GEMM, straight into (N, M, positions).
 
@@ -293,8 +345,12 @@ def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: Win
 def conv(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
     geo = _conv_geometry(X, W, kernel_shape, group, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad)
     Xc, Wc, Bc = _wide(X, W, B)
-    depthwise = group > 1 and W.shape[1] == 1
-    Y = (_conv_depthwise if depthwise else _conv_gemm)(Xc, Wc, Bc, geo, group)  # (N, M, positions)
+    if group > 1 and W.shape[1] == 1:
+        Y = _conv_depthwise(Xc, Wc, Bc, geo, group)  # (N, M, positions)
+    elif _takes_taps(Xc, Wc, geo, group):
+        Y = _conv_taps(Xc, Wc, Bc, geo)
+    else:
+        Y = _conv_gemm(Xc, Wc, Bc, geo, group)
     return (Y.reshape(X.shape[0], W.shape[0], *geo.out).astype(X.dtype, copy=False),)
 
 

@@ -129,6 +129,42 @@ def test_conv_keeping_the_row_length(spatial, attrs, group, in_per_group, out_pe
 
 
 @SETTINGS
+@given(st.one_of(windows(rank=2, max_stride=1), windows(rank=3, max_stride=1)), st.integers(8, 12), st.integers(1, 8),
+       st.integers(1, 3), st.booleans(), seeds)
+def test_conv_by_kernel_taps(geometry, C, M, batch, bias, seed):
+    """Stride 1, one group, at least as many input channels as outputs: one GEMM per kernel tap
+    over the flat padded planes (``_conv_taps``), against onnxruntime."""
+    from hypothesis import assume
+
+    from odt_ops.kernels.conv import _conv_geometry, _takes_taps
+
+    spatial, attrs = geometry
+    feeds = {"X": rand(seed, batch, C, *spatial), "W": rand(seed + 1, M, C, *attrs["kernel_shape"])}
+    if bias:
+        feeds["B"] = rand(seed + 2, M)
+    window = {k: attrs.get(k) for k in ("strides", "dilations", "pads")}
+    geo = _conv_geometry(feeds["X"], feeds["W"], None, 1, auto_pad=attrs.get("auto_pad", "NOTSET"), **window)
+    assume(_takes_taps(feeds["X"], feeds["W"], geo, 1))  # a 1x1 kernel is a plain GEMM instead
+    check("Conv", feeds, attrs)
+
+
+@pytest.mark.parametrize("images_per_block", [1, 2, 3])
+def test_conv_by_kernel_taps_in_image_blocks_is_unchanged(monkeypatch, images_per_block):
+    """Blocks of images (the cache budget of ``_conv_taps``) give the very same bits as one block,
+    the last block shorter than the others included."""
+    import odt_ops.kernels.conv as conv_kernels
+
+    X, W, B = rand(1, 5, 16, 9, 11), rand(2, 12, 16, 3, 3), rand(3, 12)
+    attrs = {"pads": [1, 0, 2, 1], "dilations": [1, 2]}
+    whole = conv_kernels.conv(X, W, B, **attrs)[0]
+    geo = conv_kernels._conv_geometry(X, W, None, 1, strides=None, dilations=[1, 2], pads=[1, 0, 2, 1], auto_pad="NOTSET")
+    monkeypatch.setattr(conv_kernels, "_TAP_BLOCK_BYTES", images_per_block * conv_kernels._tap_bytes(X, 12, geo))
+    assert conv_kernels._takes_taps(X, W, geo, 1)
+    blocked = conv_kernels.conv(X, W, B, **attrs)[0]
+    assert blocked.dtype == whole.dtype and blocked.tobytes() == whole.tobytes()
+
+
+@SETTINGS
 @given(windows(rank=2, max_kernel=5, max_stride=2), st.integers(1, 4), st.integers(1, 3), seeds)
 def test_conv_depthwise(geometry, channels, multiplier, seed):
     spatial, attrs = geometry
