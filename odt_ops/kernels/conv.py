@@ -62,6 +62,11 @@ def _pad_for_windows(X: np.ndarray, geo: WindowGeometry, fill) -> np.ndarray:
     return padded
 
 
+def _flat_span(geo: WindowGeometry) -> int:
+    """The positions ``_flat_planes`` computes per plane: every output row across the padded row width."""
+    return geo.out[0] * math.prod(geo.reach[1:])
+
+
 def _flat_planes(X: np.ndarray, geo: WindowGeometry) -> tuple[np.ndarray, list[int], int]:
     """Stride-1 windows as flat offsets: (zero-padded flat planes, offset per kernel tap, span).
 
@@ -73,7 +78,7 @@ def _flat_planes(X: np.ndarray, geo: WindowGeometry) -> tuple[np.ndarray, list[i
     plane_strides = [math.prod(reach[i + 1:]) for i in range(len(reach))]
     offsets = [sum(k * d * ps for k, d, ps in zip(offset, geo.dilations, plane_strides))
                for offset in np.ndindex(*geo.kernel)]
-    span = geo.out[0] * plane_strides[0]
+    span = _flat_span(geo)
     flat = np.zeros((*X.shape[:2], span + max(offsets)), dtype=X.dtype)  # the tail covers the last tap's reads
     _pad_into(flat[..., : math.prod(reach)].reshape(*X.shape[:2], *reach), X, geo)
     return flat, offsets, span
@@ -184,13 +189,17 @@ def _add_bias(Y: np.ndarray, B: np.ndarray) -> None:
     per_channel(np.add, Y, B.astype(Y.dtype, copy=False), out=Y)
 
 
-def _batch_steps(N: int, per_image: int) -> Iterator[slice]:
-    """Batch slices whose temporaries (``per_image`` bytes an image) fit ``_CACHE_BYTES``.
+def _batch_steps(N: int, per_image: int, budget: int | None = None, whole: int = 2) -> Iterator[slice]:
+    """Batch slices whose temporaries (``per_image`` bytes an image) fit ``budget`` (``_CACHE_BYTES``
+    unless given); a batch up to ``whole`` budgets is one slice.
 
     Cache blocking, not a loop over images: a large batch's im2col or col2im columns (15-20 MB
     at batch 256) are written and read back from memory; in slices that stay in cache the same
-    work ran 25-50% faster. Up to twice that size it is one slice (two ran no faster)."""
-    step = N if N * per_image <= 2 * _CACHE_BYTES else max(1, _CACHE_BYTES // max(1, per_image))
+    work ran 25-50% faster. For them, up to twice that size is one slice (two ran no faster);
+    ``_conv_taps`` re-reads its block once per tap and wants ``whole=1`` (one block of 1.6
+    budgets ran up to 2x slower than two)."""
+    budget = _CACHE_BYTES if budget is None else budget
+    step = N if N * per_image <= whole * budget else max(1, budget // max(1, per_image))
     return (slice(i, min(N, i + step)) for i in range(0, N, step))
 
 
@@ -200,8 +209,7 @@ _TAP_MIN_CHANNELS = 8  # below this a tap's GEMM is too thin (K = C): im2col's o
 
 def _tap_bytes(X: np.ndarray, M: int, geo: WindowGeometry) -> int:
     """One image's working set in ``_conv_taps``: its padded planes, and its results twice (sum and term)."""
-    span = geo.out[0] * math.prod(geo.reach[1:])
-    return (X.shape[1] * math.prod(geo.reach) + 2 * M * span) * X.itemsize
+    return (X.shape[1] * math.prod(geo.reach) + 2 * M * _flat_span(geo)) * X.itemsize
 
 
 def _takes_taps(X: np.ndarray, W: np.ndarray, geo: WindowGeometry, group: int) -> bool:
@@ -229,11 +237,12 @@ def _conv_taps(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
     planes, offsets, span = _flat_planes(X, geo)
     weights = np.ascontiguousarray(W.reshape(M, C, len(offsets)).transpose(2, 0, 1), dtype=dtype)  # (taps, M, C)
     Y = np.empty((N, M, span), dtype=dtype)
-    block = max(1, _TAP_BLOCK_BYTES // _tap_bytes(X, M, geo))
-    term = np.empty((min(N, block), M, span), dtype=dtype)
-    for start in range(0, N, block):
-        images = slice(start, min(N, start + block))
-        Yb, tb = Y[images], term[: images.stop - images.start]
+    term = None
+    for images in _batch_steps(N, _tap_bytes(X, M, geo), budget=_TAP_BLOCK_BYTES, whole=1):
+        Yb = Y[images]
+        if term is None:  # the first block is the largest
+            term = np.empty_like(Yb)
+        tb = term[: images.stop - images.start]
         for t, offset in enumerate(offsets):
             np.matmul(weights[t], planes[images, :, offset:offset + span], out=tb if t else Yb)
             if t:
