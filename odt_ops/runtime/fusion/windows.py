@@ -8,8 +8,8 @@ import numpy as np
 import onnx
 
 from odt_ops.ir.attributes import node_attributes
-from odt_ops.kernels.conv import keeps_rows, row_windows, zero_wrapped
 from odt_ops.kernels.geometry import WindowGeometry
+from odt_ops.kernels.windows import keeps_rows, row_windows, zero_wrapped
 from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, fused_node, fused_op, fusion, kernel_of
 
 
@@ -74,7 +74,7 @@ def _stack_slices(attrs: dict, opset: int) -> Callable[..., tuple]:
 def _window_columns(g: Graph) -> bool:
     """StackedSlices of a zero-Padded input whose slices are a stride-1 window's taps (a Conv weight
     gradient's columns) -> one node that reads the taps from the unpadded planes, one flat offset
-    per tap (kernels/conv.py's row windows, as the forward Conv's im2col does) when the output
+    per tap (kernels/windows.py's row windows, as the forward Conv's im2col does) when the output
     rows are as long as the input's: whole-plane copies instead of a copy per short row. The
     values are the same copies and zeros."""
     changed = False
