@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
+from odt_ops.errors import ArgumentError, InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
 from odt_ops.ir.control_flow import implicit_inputs
 from odt_ops.ir.order import topological_order
 from odt_ops.kernels.binding import bind_kernel, missing_kernels, node_inputs
@@ -84,7 +84,7 @@ class Plan:
         self._checks = dict(checks or {})
         stray = set(self.destinations) - set(self.output_names)
         if stray:
-            raise ValueError(f"destinations {sorted(stray)} are not among the plan's outputs")
+            raise ArgumentError(f"Plan(destinations=...): {sorted(stray)} are not among the plan's outputs {self.output_names}")
         # the phases, each a method: order (and fuse) the nodes, bind each to its kernel, free each
         # value after its last reader, let nodes write destinations in place, generate the run
         nodes = self._ordered_nodes(graph, opsets, fuse)

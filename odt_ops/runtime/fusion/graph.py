@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import onnx
 
+from odt_ops.errors import ArgumentError
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import lookup
 
@@ -35,6 +36,14 @@ fusion: Callable[[str], Callable[[Pass], Pass]] = _registrar(FUSIONS, "fusion") 
 fused_op: Callable[[str], Callable[[Factory], Factory]] = _registrar(_OPS, "fused op")  # a fused node's implementation
 
 
+def run_in_order(order: Sequence[str]) -> None:
+    """Make ``order`` the order ``fuse`` runs the passes in: every registered pass, each once."""
+    assert sorted(order) == sorted(FUSIONS), f"the fusion order {list(order)} must name each of {sorted(FUSIONS)} once"
+    passes = {name: FUSIONS[name] for name in order}
+    FUSIONS.clear()
+    FUSIONS.update(passes)
+
+
 def bind(node: onnx.NodeProto, opset: int) -> Callable[..., tuple]:
     """The implementation of a fused node; ``opset`` is the graph's ai.onnx opset."""
     return _OPS[node.op_type](node_attributes(node), opset)
@@ -45,7 +54,7 @@ def fuse(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], k
     """The nodes with every fusion (or those named in ``only``) applied; ``keep`` must survive."""
     unknown = set(only or ()) - set(FUSIONS)
     if unknown:
-        raise ValueError(f"unknown fusion(s) {sorted(unknown)}; the fusions are {list(FUSIONS)}")
+        raise ArgumentError(f"fuse(only=...): unknown fusion(s) {sorted(unknown)}; the fusions are {list(FUSIONS)}")
     graph = Graph(nodes, constants, set(keep))
     for name, run in FUSIONS.items():
         if only is None or name in only:
