@@ -14,8 +14,8 @@ from odt_ops.errors import OdtError
 
 def check(args: argparse.Namespace) -> int:
     """Load and normalize a model; report every node lacking a kernel or a gradient rule."""
+    from odt_ops import coverage
     from odt_ops.artifacts import check_coverage, default_trainable
-    from odt_ops.grad import coverage
     from odt_ops.ir.load import load_model, read_model
 
     raw = read_model(args.model)

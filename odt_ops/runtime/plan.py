@@ -20,9 +20,8 @@ import numpy as np
 import onnx
 
 from odt_ops.errors import ArgumentError, InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
-from odt_ops.ir.control_flow import implicit_inputs
-from odt_ops.ir.order import topological_order
-from odt_ops.kernels.binding import bind_kernel, missing_kernels, node_inputs
+from odt_ops.ir.binding import bind_kernel, missing_kernels, node_inputs
+from odt_ops.ir.graph import implicit_inputs, topological_order
 from odt_ops.runtime import fusion, inplace
 from odt_ops.runtime.memory import tune_allocator
 

@@ -17,8 +17,7 @@ from onnx import numpy_helper
 
 from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError, node_label
 from odt_ops.ir.attributes import node_attributes
-from odt_ops.ir.control_flow import all_nodes, implicit_inputs, outer_reads
-from odt_ops.ir.order import topological_order
+from odt_ops.ir.graph import all_nodes, implicit_inputs, outer_reads, topological_order
 from odt_ops.kernels.registry import lookup
 
 # (graph, opsets, constants, input names, output names, rng) -> something with .run(feeds) -> outputs
