@@ -15,7 +15,7 @@ from onnx import helper, numpy_helper
 from odt_ops.ir import passes
 from odt_ops.ir.binding import bind_kernel
 from odt_ops.ir.builder import unique_name
-from odt_ops.ir.graph import AT, implicit_inputs, node_reads, subgraphs, topological_order
+from odt_ops.ir.graph import AT, implicit_inputs, node_reads, producers, subgraphs, topological_order
 from odt_ops.ir.model import Model
 
 # ---- lowering at load -------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def _concat_built_sequences(model: Model) -> bool:
     then SequenceInserts that append), as an unrolled loop leaves it (the dynamo exporter's
     EmbeddingBag), becomes a Concat of those tensors; the sequence ops, then unread, are pruned."""
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output if o}
+    producer = producers(graph.node)
     changed = False
     for node in graph.node:
         if node.op_type != "ConcatFromSequence" or node.domain not in ("", "ai.onnx"):

@@ -74,6 +74,20 @@ def all_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
             yield from all_nodes(graph.node)
 
 
+def producers(nodes: Iterable[onnx.NodeProto]) -> dict[str, onnx.NodeProto]:
+    """Each value's producing node (graph inputs and initializers have none)."""
+    return {name: node for node in nodes for name in node.output if name}
+
+
+def consumers(nodes: Iterable[onnx.NodeProto]) -> dict[str, list[onnx.NodeProto]]:
+    """The nodes reading each value, once per node, outer reads of their subgraphs included."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in dict.fromkeys(node_reads(node)):
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
 def topological_order(nodes: onnx.GraphProto | Iterable[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
     """Nodes ordered so each runs after its producers (stable for already-sorted graphs)."""
     ready = set(available) | {""}

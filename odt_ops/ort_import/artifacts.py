@@ -32,6 +32,7 @@ from onnx import helper, numpy_helper
 from odt_ops.artifacts import generate_artifacts
 from odt_ops.checkpoint import Checkpoint, OptimizerState, check_matches, load_checkpoint, save_checkpoint
 from odt_ops.errors import ArtifactError, CheckpointError, ModelLoadError
+from odt_ops.ir.graph import producers
 from odt_ops.onnxblock import Block, optim
 from odt_ops.onnxblock import loss as losses
 from odt_ops.ort_import.checkpoint import read_ort_checkpoint
@@ -150,7 +151,7 @@ def _static_shape(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
 def _split_loss(model: onnx.ModelProto, params: set[str], where: str) -> dict:
     """Recognise ONNX Runtime's loss block at the eval model's first output."""
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output if o}
+    producer = producers(graph.node)
     consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     outputs = [o.name for o in graph.output]
     if not outputs:
@@ -253,7 +254,7 @@ def _forward_model(model: onnx.ModelProto, ckpt: Checkpoint, loss: dict, where: 
     """The nodes the forward outputs depend on, the parameters back as initializers."""
     graph = model.graph
     wanted = list(dict.fromkeys([*loss["forward_outputs"], *loss["extra"]]))
-    producer = {o: n for n in graph.node for o in n.output if o}
+    producer = producers(graph.node)
     needed: set[str] = set()
     stack = list(wanted)
     keep: set[int] = set()

@@ -9,6 +9,7 @@ import onnx
 
 from odt_ops.errors import ArgumentError
 from odt_ops.ir.attributes import node_attributes
+from odt_ops.ir.graph import consumers, producers
 from odt_ops.kernels import lookup
 
 DOMAIN = "odt_ops.fused"
@@ -72,13 +73,8 @@ class Graph:
         self._index()
 
     def _index(self) -> None:
-        self._producer: dict[str, onnx.NodeProto] = {}
-        self._consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in self.nodes:
-            for name in node.output:
-                self._producer[name] = node
-            for name in node.input:
-                self._consumers.setdefault(name, []).append(node)
+        self._producer = producers(self.nodes)
+        self._consumers = consumers(self.nodes)
 
     def producer(self, name: str, op_type: str, domains: tuple[str, ...] = STANDARD) -> onnx.NodeProto | None:
         node = self._producer.get(name)
