@@ -459,7 +459,7 @@ def test_the_generated_run_has_source_that_tracebacks_and_debuggers_show():
     from odt_ops.errors import KernelError
 
     plan = _two_node_plan()
-    source = inspect.getsource(plan._run)  # what pdb's `list` shows
+    source = inspect.getsource(plan._run.fn)  # what pdb's `list` shows
     assert "Relu node 'act': (x) -> (h)" in source and "Reshape node 'flat': (h, s) -> (y)" in source
     with pytest.raises(KernelError) as raised:
         plan.run([np.ones((2, 3), np.float32), np.array([4, 4])])

@@ -20,8 +20,11 @@ def _stacked_slices(g: Graph) -> bool:
     changed = False
     for concat in [n for n in g.nodes if n.op_type == "Concat" and n.domain in STANDARD and len(n.input) > 1]:
         axis = node_attributes(concat).get("axis")
-        taps = [_tap(g, name, concat, axis) for name in concat.input]
-        if axis is None or any(t is None for t in taps) or len({t[0].input[0] for t in taps}) != 1:
+        if axis is None:
+            continue
+        found = [_tap(g, name, concat, axis) for name in concat.input]
+        taps = [t for t in found if t is not None]
+        if len(taps) < len(found) or len({t[0].input[0] for t in taps}) != 1:
             continue
         regions = [region for _, _, region in taps]
         fused = fused_node("StackedSlices", [taps[0][0].input[0]], [concat.output[0]], f"fused/{concat.name or concat.output[0]}",
@@ -80,9 +83,10 @@ def _window_columns(g: Graph) -> bool:
     changed = False
     for stack in [n for n in g.nodes if n.op_type == "StackedSlices" and n.domain == DOMAIN]:
         pad = g.producer(stack.input[0], "Pad")
+        if pad is None or g.sole_reader(pad.output[0], "StackedSlices", 0, domains=(DOMAIN,)) is not stack:
+            continue
         attrs = node_attributes(stack)
-        window = pad and g.sole_reader(pad.output[0], "StackedSlices", 0, domains=(DOMAIN,)) is stack and \
-            _stride_one_window(g, pad, attrs)
+        window = _stride_one_window(g, pad, attrs)
         if window:
             kernel, dilations, pads = window
             fused = fused_node("WindowColumns", [pad.input[0], *pad.input[1:]], stack.output, f"fused/{stack.name}",
