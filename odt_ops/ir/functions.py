@@ -14,6 +14,7 @@ import onnx
 import onnx.inliner
 from onnx import defs, helper
 
+from odt_ops.domain import is_default
 from odt_ops.errors import ModelCheckError
 from odt_ops.ir.model import Model
 from odt_ops.kernels import lookup
@@ -35,7 +36,7 @@ def expand_function_ops(model: Model) -> bool:
 def _expand_once(model: Model) -> bool:
     proto = model.proto
     opset = model.opset
-    candidates = [n for n in proto.graph.node if n.domain in ("", "ai.onnx") and lookup("", n.op_type, opset) is None]
+    candidates = [n for n in proto.graph.node if is_default(n.domain) and lookup("", n.op_type, opset) is None]
     if not candidates:
         return False
     types = None
@@ -73,7 +74,7 @@ def _expand_once(model: Model) -> bool:
         body.domain, body.name = EXPANDED, f"{node.op_type}_{i}"
         # at the model's opset, or the inliner leaves the call in place (the body's ops are the
         # spec's choice for an opset at most the model's, and their meaning holds up to it)
-        kept = [o for o in body.opset_import if o.domain not in ("", "ai.onnx")]
+        kept = [o for o in body.opset_import if not is_default(o.domain)]
         del body.opset_import[:]
         body.opset_import.extend([*kept, helper.make_opsetid("", opset)])
         node.domain, node.op_type = EXPANDED, body.name

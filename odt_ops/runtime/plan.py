@@ -20,6 +20,7 @@ from typing import cast
 import numpy as np
 import onnx
 
+from odt_ops.domain import canonical
 from odt_ops.errors import ArgumentError, InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
 from odt_ops.ir.binding import bind_kernel, missing_kernels, node_inputs
 from odt_ops.ir.graph import implicit_inputs, topological_order
@@ -137,7 +138,7 @@ class Plan:
                     raise ModelCheckError(f"{node_label(node)} reads {name!r}, which nothing produces")
             known.update(n for n in node.output if n)
             # fused nodes run ai.onnx kernels at the graph's opset
-            opset = opsets.get("" if node.domain in ("ai.onnx", fusion.DOMAIN) else node.domain, 0)
+            opset = opsets.get("" if node.domain == fusion.DOMAIN else canonical(node.domain), 0)
             steps.append((bind_node(node, opset, rng, opsets), tuple(ins), tuple(node.output), node))
         for name in [*self.output_names, *self._checks]:
             if name not in known:
