@@ -48,11 +48,11 @@ def _expand_once(model: Model) -> bool:
             continue
         body = None
         # the body as the spec writes it for the latest opset it has one for, up to the model's
-        versions = [v for v in schema.function_opset_versions if v <= opset]
-        cd_versions = [v for v in schema.context_dependent_function_opset_versions if v <= opset]
+        versions = [v for v in schema.function_opset_versions if v <= opset]  # type: ignore[attr-defined]  # onnx's stubs lack it
+        cd_versions = [v for v in schema.context_dependent_function_opset_versions if v <= opset]  # type: ignore[attr-defined]
         if versions:
             body = onnx.FunctionProto()
-            body.ParseFromString(schema.get_function_with_opset_version(max(versions)))
+            body.ParseFromString(schema.get_function_with_opset_version(max(versions)))  # type: ignore[attr-defined]
         elif cd_versions:
             if types is None:
                 types = _input_types(proto)
@@ -62,8 +62,8 @@ def _expand_once(model: Model) -> bool:
                                       f"which needs the types of {missing}; they are unknown")
             inputs = [types[x].SerializeToString() if x else onnx.TypeProto().SerializeToString() for x in node.input]
             node_with_defaults = _with_default_attributes(node, schema)
-            built = schema.get_context_dependent_function_with_opset_version(max(cd_versions), node_with_defaults.SerializeToString(),
-                                                                             inputs)
+            built = schema.get_context_dependent_function_with_opset_version(  # type: ignore[attr-defined]
+                max(cd_versions), node_with_defaults.SerializeToString(), inputs)
             if not built:
                 continue
             body = onnx.FunctionProto()
