@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
+from odt_ops.domain import is_default
 from odt_ops.errors import OdtError
 
 
 def check(args: argparse.Namespace) -> int:
     """Load and normalize a model; report every node lacking a kernel or a gradient rule."""
+    from odt_ops import coverage
     from odt_ops.artifacts import check_coverage, default_trainable
-    from odt_ops.grad import coverage
     from odt_ops.ir.load import load_model, read_model
 
     raw = read_model(args.model)
@@ -29,7 +30,7 @@ def check(args: argparse.Namespace) -> int:
         print("missing (domain::op, opset: nodes):")
         for (domain, op, opset), nodes in sorted(report["missing"].items()):
             print(f"  {domain or 'ai.onnx'}::{op}, opset {opset}: {', '.join(nodes[:8])}{' ...' if len(nodes) > 8 else ''}")
-            why = coverage.reason(op) if domain in ("", "ai.onnx") else None
+            why = coverage.reason(op) if is_default(domain) else None
             if why:
                 print(f"      why: {why}")
         return 1

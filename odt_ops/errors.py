@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from odt_ops.domain import is_default
+
 
 class OdtError(Exception):
     """Base of every error the engine raises on bad input."""
@@ -41,7 +43,7 @@ class UnsupportedOpError(OdtError, NotImplementedError):
             f"  {domain or 'ai.onnx'}::{op} (opset {opset}) used by {len(nodes)} node(s): "
             + ", ".join(nodes[:5])
             + (", ..." if len(nodes) > 5 else "")
-            + (f"\n      why: {reasons[op]}" if domain in ("", "ai.onnx") and op in reasons else "")
+            + (f"\n      why: {reasons[op]}" if is_default(domain) and op in reasons else "")
             for (domain, op, opset), nodes in sorted(self.missing.items())
         ]
         super().__init__(

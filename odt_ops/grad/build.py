@@ -17,14 +17,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from odt_ops.coverage import NOT_DIFFERENTIABLE
 from odt_ops.errors import GradientError, UnsupportedOpError
 from odt_ops.grad.accumulate import total
-from odt_ops.grad.coverage import NOT_DIFFERENTIABLE
 from odt_ops.grad.registry import GradContext, lookup_gradient
 from odt_ops.ir.builder import GraphBuilder
-from odt_ops.ir.control_flow import node_reads
+from odt_ops.ir.graph import node_reads, topological_order
 from odt_ops.ir.model import Model, default_opset
-from odt_ops.ir.order import topological_order
 from odt_ops.kernels import lookup
 
 MIN_OPSET = 18  # rules emit opset-18+ signatures (axes as inputs, Split num_outputs)

@@ -1,81 +1,22 @@
-"""Control flow (If, Loop, Scan): which outer values subgraphs read, and the load-time lowering.
-
-Subgraphs read outer-scope values by name, without listing them as node inputs. Every
-analysis that asks "who reads this value" (pruning, folding, ordering, freeing) must see
-those reads too: ``implicit_inputs(node)`` lists them, recursively through nested
-subgraphs, in a fixed order (the order the kernels in odt_ops/kernels/control_flow.py
-receive their values in).
+"""Control flow (If, Loop, Scan) lowered at load time where the trip counts and branches are
+known, so training sees plain nodes; the graph reads (which outer values a subgraph reads)
+are odt_ops/ir/graph.py.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from odt_ops.ir import passes
+from odt_ops.ir.binding import bind_kernel
 from odt_ops.ir.builder import unique_name
+from odt_ops.ir.graph import AT, implicit_inputs, node_reads, producers, subgraphs, topological_order
 from odt_ops.ir.model import Model
-
-AT = onnx.AttributeProto
-
-
-def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    """The node's graph attributes (If's branches, Loop's and Scan's body), in attribute order."""
-    graphs: list[onnx.GraphProto] = []
-    for attr in node.attribute:
-        if attr.type == AT.GRAPH:
-            graphs.append(attr.g)
-        elif attr.type == AT.GRAPHS:
-            graphs.extend(attr.graphs)
-    return graphs
-
-
-def has_subgraphs(node: onnx.NodeProto) -> bool:
-    return any(a.type in (AT.GRAPH, AT.GRAPHS) for a in node.attribute)
-
-
-def outer_reads(graph: onnx.GraphProto) -> list[str]:
-    """Names the graph's nodes (and their subgraphs, recursively) read but the graph does
-    not define (inputs, initializers, node outputs): the outer-scope values it needs."""
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    defined |= {t.values.name for t in graph.sparse_initializer}
-    reads: dict[str, None] = {}
-    for node in graph.node:
-        for name in (*node.input, *implicit_inputs(node)):
-            if name and name not in defined:
-                reads[name] = None
-        defined.update(node.output)
-    for out in graph.output:  # a body may output an outer value as it is
-        if out.name not in defined:
-            reads[out.name] = None
-    return list(reads)
-
-
-def implicit_inputs(node: onnx.NodeProto) -> list[str]:
-    """Outer-scope values the node's subgraphs read (none for ordinary nodes)."""
-    if not node.attribute or not has_subgraphs(node):
-        return []
-    reads: dict[str, None] = {}
-    for graph in subgraphs(node):
-        reads.update(dict.fromkeys(outer_reads(graph)))
-    return list(reads)
-
-
-def node_reads(node: onnx.NodeProto) -> list[str]:
-    """The node's inputs followed by the outer values its subgraphs read."""
-    return [*node.input, *implicit_inputs(node)]
-
-
-def all_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
-    """The nodes and, recursively, those of their subgraphs."""
-    for node in nodes:
-        yield node
-        for graph in subgraphs(node):
-            yield from all_nodes(graph.node)
-
 
 # ---- lowering at load -------------------------------------------------------------------------
 
@@ -105,7 +46,6 @@ def lower_control_flow(model: Model) -> bool:
     """
     if not any(_is_control_flow(n) for n in model.graph.node):
         return False
-    from odt_ops.ir import passes
 
     changed = False
     while True:
@@ -126,7 +66,7 @@ def _concat_built_sequences(model: Model) -> bool:
     then SequenceInserts that append), as an unrolled loop leaves it (the dynamo exporter's
     EmbeddingBag), becomes a Concat of those tensors; the sequence ops, then unread, are pruned."""
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output if o}
+    producer = producers(graph.node)
     changed = False
     for node in graph.node:
         if node.op_type != "ConcatFromSequence" or node.domain not in ("", "ai.onnx"):
@@ -171,10 +111,8 @@ def _concat_built_sequences(model: Model) -> bool:
         node.attribute.append(helper.make_attribute("axis", axis))
         changed = True
     if changed:
-        from odt_ops.ir.order import topological_order
-        from odt_ops.ir.passes import replace_nodes
 
-        replace_nodes(model, topological_order(graph.node, {i.name for i in graph.input} | {t.name for t in graph.initializer}))
+        passes.replace_nodes(model, topological_order(graph.node, {i.name for i in graph.input} | {t.name for t in graph.initializer}))
     return changed
 
 
@@ -539,13 +477,11 @@ class _Rewriter:
 
     def _evaluate(self, graph: onnx.GraphProto, known: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every value of ``graph`` computable from ``known`` and small outer constants."""
-        from odt_ops.ir.passes import NOT_FOLDABLE
-        from odt_ops.kernels.binding import bind_kernel
 
         values = dict(known)
         values.update({t.name: numpy_helper.to_array(t) for t in graph.initializer if int(np.prod(t.dims, dtype=np.int64)) <= _SMALL})
         for node in graph.node:
-            if node.op_type in NOT_FOLDABLE or node.domain not in ("", "ai.onnx"):
+            if node.op_type in passes.NOT_FOLDABLE or node.domain not in ("", "ai.onnx"):
                 continue
             args = []
             for name in node_reads(node):

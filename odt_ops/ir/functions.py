@@ -14,6 +14,7 @@ import onnx
 import onnx.inliner
 from onnx import defs, helper
 
+from odt_ops.domain import is_default
 from odt_ops.errors import ModelCheckError
 from odt_ops.ir.model import Model
 from odt_ops.kernels import lookup
@@ -35,7 +36,7 @@ def expand_function_ops(model: Model) -> bool:
 def _expand_once(model: Model) -> bool:
     proto = model.proto
     opset = model.opset
-    candidates = [n for n in proto.graph.node if n.domain in ("", "ai.onnx") and lookup("", n.op_type, opset) is None]
+    candidates = [n for n in proto.graph.node if is_default(n.domain) and lookup("", n.op_type, opset) is None]
     if not candidates:
         return False
     types = None
@@ -47,11 +48,11 @@ def _expand_once(model: Model) -> bool:
             continue
         body = None
         # the body as the spec writes it for the latest opset it has one for, up to the model's
-        versions = [v for v in schema.function_opset_versions if v <= opset]
-        cd_versions = [v for v in schema.context_dependent_function_opset_versions if v <= opset]
+        versions = [v for v in schema.function_opset_versions if v <= opset]  # type: ignore[attr-defined]  # onnx's stubs lack it
+        cd_versions = [v for v in schema.context_dependent_function_opset_versions if v <= opset]  # type: ignore[attr-defined]
         if versions:
             body = onnx.FunctionProto()
-            body.ParseFromString(schema.get_function_with_opset_version(max(versions)))
+            body.ParseFromString(schema.get_function_with_opset_version(max(versions)))  # type: ignore[attr-defined]
         elif cd_versions:
             if types is None:
                 types = _input_types(proto)
@@ -61,8 +62,8 @@ def _expand_once(model: Model) -> bool:
                                       f"which needs the types of {missing}; they are unknown")
             inputs = [types[x].SerializeToString() if x else onnx.TypeProto().SerializeToString() for x in node.input]
             node_with_defaults = _with_default_attributes(node, schema)
-            built = schema.get_context_dependent_function_with_opset_version(max(cd_versions), node_with_defaults.SerializeToString(),
-                                                                             inputs)
+            built = schema.get_context_dependent_function_with_opset_version(  # type: ignore[attr-defined]
+                max(cd_versions), node_with_defaults.SerializeToString(), inputs)
             if not built:
                 continue
             body = onnx.FunctionProto()
@@ -73,7 +74,7 @@ def _expand_once(model: Model) -> bool:
         body.domain, body.name = EXPANDED, f"{node.op_type}_{i}"
         # at the model's opset, or the inliner leaves the call in place (the body's ops are the
         # spec's choice for an opset at most the model's, and their meaning holds up to it)
-        kept = [o for o in body.opset_import if o.domain not in ("", "ai.onnx")]
+        kept = [o for o in body.opset_import if not is_default(o.domain)]
         del body.opset_import[:]
         body.opset_import.extend([*kept, helper.make_opsetid("", opset)])
         node.domain, node.op_type = EXPANDED, body.name

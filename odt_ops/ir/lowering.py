@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import defs, helper, numpy_helper
 
+from odt_ops.domain import default_opset, is_default
 from odt_ops.errors import ArtifactError
 from odt_ops.ir.load import ir_version_for
 
@@ -32,7 +33,7 @@ _NEW_ATTRIBUTES = [("Reshape", "allowzero", 0, 14), ("BatchNormalization", "trai
 
 def lower_opset(model: onnx.ModelProto, target: int, what: str) -> onnx.ModelProto:
     """``model`` (at opset 21 or lower) rewritten for ``target``; ArtifactError names every node that cannot be."""
-    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), target)
+    current = default_opset(model.opset_import, target)
     if target >= current:
         return model
     if target < LOWEST:
@@ -44,7 +45,7 @@ def lower_opset(model: onnx.ModelProto, target: int, what: str) -> onnx.ModelPro
     problems = []
     for node in lowered.graph.node:
         problem = _lower_node(node, target, types, constants)
-        if problem is None and node.op_type == "Pad" and node.domain in ("", "ai.onnx") and target < 18:
+        if problem is None and node.op_type == "Pad" and is_default(node.domain) and target < 18:
             problem = _pad_axes_to_full(node, ranks, constants, lowered.graph)
         if problem:
             problems.append(f"{node.name or node.op_type} ({node.op_type}): {problem}")
@@ -52,7 +53,7 @@ def lower_opset(model: onnx.ModelProto, target: int, what: str) -> onnx.ModelPro
         raise ArtifactError(f"{what}: cannot be written at opset {target}:\n  " + "\n  ".join(problems)
                             + f"\nGenerate at a later opset (opset={current}) or re-export the model at one")
     for o in lowered.opset_import:
-        if o.domain in ("", "ai.onnx"):
+        if is_default(o.domain):
             o.version = target
     lowered.ir_version = ir_version_for(target)
     used = {n for node in lowered.graph.node for n in node.input}
@@ -68,7 +69,7 @@ def lower_opset(model: onnx.ModelProto, target: int, what: str) -> onnx.ModelPro
 
 
 def _lower_node(node: onnx.NodeProto, target: int, types: dict, constants: dict) -> str | None:
-    if node.domain not in ("", "ai.onnx"):
+    if not is_default(node.domain):
         return None
     if node.op_type == "CastLike" and target < 15:
         like = types.get(node.input[1])

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from odt_ops.domain import is_default
 from odt_ops.errors import ModelLoadError
 
 # opset 21 is the newest every maintained runtime executes (onnxruntime >= 1.18, its
@@ -46,7 +47,7 @@ class Model:
 
 def default_opset(proto: onnx.ModelProto) -> int:
     for imp in proto.opset_import:
-        if imp.domain in ("", "ai.onnx"):
+        if is_default(imp.domain):
             return imp.version
     return 1
 

@@ -5,10 +5,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from odt_ops.coverage import NOT_SUPPORTED
+from odt_ops.domain import is_default, opset_versions
 from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError
 from odt_ops.ir import symbolic
 from odt_ops.ir.attributes import node_attributes
-from odt_ops.ir.control_flow import implicit_inputs, node_reads
+from odt_ops.ir.binding import bind_kernel, missing_kernels
+from odt_ops.ir.graph import implicit_inputs, node_reads
 from odt_ops.ir.model import Model
 
 # folding these would freeze a random draw or a training-time behaviour into a weight
@@ -57,7 +60,7 @@ def inline_constant_nodes(model: Model) -> bool:
     graph = model.graph
     keep, changed = [], False
     for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        if node.op_type == "Constant" and is_default(node.domain):
             from odt_ops.kernels.shape import constant
 
             (value,) = constant(**node_attributes(node))
@@ -74,7 +77,6 @@ def inline_constant_nodes(model: Model) -> bool:
 def fold_constants(model: Model) -> bool:
     """Evaluate every node whose inputs are all constant (ConstantOfShape weights,
     Shape arithmetic, ...) and store its outputs as initializers."""
-    from odt_ops.kernels.binding import bind_kernel
 
     graph = model.graph
     const = _LazyConstants(graph.initializer, model)
@@ -84,7 +86,7 @@ def fold_constants(model: Model) -> bool:
     outputs = {o.name for o in graph.output}
     for node in graph.node:
         value = None
-        if node.op_type in NOT_FOLDABLE or node.domain not in ("", "ai.onnx"):
+        if node.op_type in NOT_FOLDABLE or not is_default(node.domain):
             keep.append(node)
             continue
         if node.op_type in ("Shape", "Size") and node.input[0] not in const and node.input[0] in static_shapes:
@@ -325,13 +327,10 @@ def prune_unused(model: Model) -> bool:
 
 def require_kernels(model: Model) -> bool:
     """Reject, in one error, every op that has no kernel (before anything runs)."""
-    from odt_ops.kernels.binding import missing_kernels
 
-    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.proto.opset_import}
+    opsets = opset_versions(model.proto.opset_import)
     missing = missing_kernels(model.graph.node, opsets)
     if missing:
-        from odt_ops.grad.coverage import NOT_SUPPORTED
-
         raise UnsupportedOpError(missing, reasons=NOT_SUPPORTED)
     return False
 

@@ -1,5 +1,5 @@
 """Numpy forward kernels, one module per op family; importing this package registers them."""
-from odt_ops.kernels import control_flow, conv, elementwise, linalg, loss, nn, reduce, shape  # noqa: F401
+from odt_ops.kernels import cast, control_flow, conv, elementwise, erf, linalg, loss, nn, pool, reduce, shape  # noqa: F401
 from odt_ops.kernels.registry import kernel, lookup, registered_ops
 
 __all__ = ["kernel", "lookup", "registered_ops"]

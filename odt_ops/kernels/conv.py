@@ -1,4 +1,5 @@
-"""Kernels: convolution and pooling (Conv, ConvTranspose, MaxPool, AveragePool, LpPool, Global*Pool).
+"""Kernels: convolution (Conv, ConvTranspose); pooling is kernels/pool.py, the window views
+both use kernels/windows.py.
 
 Every op here slides a window over the spatial axes (all axes after N, C), so they
 share one geometry helper that resolves kernel/strides/dilations/pads/auto_pad into
@@ -13,7 +14,7 @@ contiguous runs, so most of what follows is about layouts):
   (N, group, C/group * kernel + 1, positions) whose last row is ones, then one batched
   matmul against the weights with the bias as an extra column, landing directly in
   NCHW. At stride 1 the windows are read from flattened padded planes, one flat offset
-  per kernel tap (``_flat_planes``), so the copy moves long runs; when the output keeps the
+  per kernel tap (``flat_planes``), so the copy moves long runs; when the output keeps the
   input's row length ("same" padding) the offsets read the unpadded planes and the few
   reads that wrap across a row end are cleared (``row_windows``): no padded canvas, no
   crop, no extra GEMM columns. Depthwise convolutions
@@ -21,158 +22,40 @@ contiguous runs, so most of what follows is about layouts):
 - ConvTranspose is one batched GEMM to columns, then col2im as one np.sum over a
   strided view of the columns per output phase (see ``_col2im``), not one scattered
   addition per kernel tap.
-- Pools are separable: a box max or sum is reduced one spatial axis at a time with
-  whole-array ufuncs on strided slices (sum(kernel) calls, not prod(kernel)); reducing
-  the trailing axes of a window view instead was measured ~50x slower. MaxPool's
-  Indices ride along the same passes, selected by arithmetic rather than np.where; when
-  the windows tile the input the passes run on a tap-major copy (contiguous blocks).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided, sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 
 from odt_ops.kernels.channels import per_channel
-from odt_ops.kernels.geometry import WindowGeometry, per_axis, transpose_pads, window_counts, window_geometry
-from odt_ops.kernels.reduce import sum_along
+from odt_ops.kernels.geometry import WindowGeometry, per_axis, transpose_pads, window_geometry
 from odt_ops.kernels.registry import kernel
-
-_CACHE_BYTES = 4 << 20  # ``_batch_steps``: im2col/col2im columns kept well inside the last-level cache
-
-
-# ---------------------------------------------------------------- window geometry
-
-
-def _pad_into(target: np.ndarray, X: np.ndarray, geo: WindowGeometry) -> None:
-    """Copy X into a (N, C, *reach) canvas already filled with the padding value."""
-    keep = [min(n, r - b) for n, r, b in zip(X.shape[2:], geo.reach, geo.begin)]
-    target[(..., *(slice(b, b + k) for b, k in zip(geo.begin, keep)))] = X[(..., *(slice(k) for k in keep))]
-
-
-def _pad_for_windows(X: np.ndarray, geo: WindowGeometry, fill) -> np.ndarray:
-    """X padded with ``fill`` exactly as far as the windows read (cropped where they stop short)."""
-    reach = geo.reach
-    if not any(geo.begin) and all(r <= n for r, n in zip(reach, X.shape[2:])):
-        return X[(..., *(slice(r) for r in reach))]  # a view: no window touches padding
-    padded = np.full(X.shape[:2] + reach, fill, dtype=X.dtype)
-    _pad_into(padded, X, geo)
-    return padded
-
-
-def _flat_span(geo: WindowGeometry) -> int:
-    """The positions ``_flat_planes`` computes per plane: every output row across the padded row width."""
-    return geo.out[0] * math.prod(geo.reach[1:])
-
-
-def _flat_planes(X: np.ndarray, geo: WindowGeometry) -> tuple[np.ndarray, list[int], int]:
-    """Stride-1 windows as flat offsets: (zero-padded flat planes, offset per kernel tap, span).
-
-    With each padded (n, c) grid flattened, kernel tap k reads the plane shifted by one
-    flat offset. Computing every output row across the full padded row width (``span``
-    positions per plane) turns 2-D/3-D windows into long contiguous runs, for the price
-    of a few columns past each output row, which ``_crop_flat`` drops at the end."""
-    reach = geo.reach
-    plane_strides = [math.prod(reach[i + 1:]) for i in range(len(reach))]
-    offsets = [sum(k * d * ps for k, d, ps in zip(offset, geo.dilations, plane_strides))
-               for offset in np.ndindex(*geo.kernel)]
-    span = _flat_span(geo)
-    flat = np.zeros((*X.shape[:2], span + max(offsets)), dtype=X.dtype)  # the tail covers the last tap's reads
-    _pad_into(flat[..., : math.prod(reach)].reshape(*X.shape[:2], *reach), X, geo)
-    return flat, offsets, span
-
-
-def _crop_flat(Y: np.ndarray, geo: WindowGeometry) -> np.ndarray:
-    """(N, M, span) results of ``_flat_planes`` windows as a contiguous (N, M, positions)."""
-    rows = Y.reshape(*Y.shape[:2], geo.out[0], *geo.reach[1:])
-    return np.ascontiguousarray(rows[(..., *(slice(o) for o in geo.out[1:]))]).reshape(*Y.shape[:2], -1)
-
-
-def keeps_rows(X: np.ndarray, geo: WindowGeometry) -> bool:
-    """Stride 1 and every output axis but the first as long as the input's: ``row_windows`` applies."""
-    return all(s == 1 for s in geo.strides) and geo.out[1:] == X.shape[3:]
-
-
-def row_windows(X: np.ndarray, geo: WindowGeometry) -> np.ndarray:
-    """For ``keeps_rows`` geometries: a (N, C, *kernel, positions) view of the taps, read from the
-    UNPADDED planes flattened, each tap one flat offset away.
-
-    An output position then reads its tap at its own flat position plus the offset, so the
-    im2col copy moves whole planes and the columns come out in output order (no padded rows
-    to crop, no extra GEMM columns). Reads above or below the plane land in zero margins;
-    reads past a row's end wrap into the neighbouring row: ``zero_wrapped`` clears those."""
-    N, C, *spatial = X.shape
-    pitch = [math.prod(spatial[a + 1:]) for a in range(len(spatial))]
-    shifts = [(-b * p) for b, p in zip(geo.begin, pitch)]  # offset of the first tap
-    first = sum(shifts)
-    last = first + sum((k - 1) * d * p for k, d, p in zip(geo.kernel, geo.dilations, pitch))  # offset of the last tap
-    plane, span = math.prod(spatial), geo.out[0] * pitch[0]
-    front = max(0, -min(first, last))
-    planes = np.empty((N, C, front + max(plane, span + max(first, last))), dtype=X.dtype)
-    planes[..., :front] = 0  # only the margins need zeros: the plane is copied over
-    planes[..., front + plane:] = 0
-    planes[..., front:front + plane] = X.reshape(N, C, plane)
-    return as_strided(planes[..., front + first:], shape=(N, C, *geo.kernel, span), writeable=False,
-                      strides=(*planes.strides[:2], *(d * p * X.itemsize for d, p in zip(geo.dilations, pitch)),
-                               X.itemsize))
-
-
-def zero_wrapped(cols: np.ndarray, geo: WindowGeometry) -> None:
-    """Clear the im2col entries ``row_windows`` read across a row end. ``cols`` is (..., *kernel, *out):
-    along every axis but the first, tap k shifted by s = k*d - pad reads a neighbour row at the
-    first -s or the last s positions; one strided assignment per such tap and axis."""
-    rank = len(geo.kernel)
-    for axis in range(1, rank):
-        n = geo.out[axis]
-        for k in range(geo.kernel[axis]):
-            shift = k * geo.dilations[axis] - geo.begin[axis]
-            if shift == 0:
-                continue
-            where = [slice(None)] * (2 * rank)
-            where[axis] = k
-            where[rank + axis] = slice(0, min(-shift, n)) if shift < 0 else slice(max(0, n - shift), n)
-            cols[(..., *where)] = 0
-
-
-def _offset_slices(Xp: np.ndarray, geo: WindowGeometry) -> Iterator[np.ndarray]:
-    """Per kernel offset (row-major), the strided view of a channels-last padded input (N, *reach, C)
-    that the offset reads at every output position."""
-    for offset in np.ndindex(*geo.kernel):
-        yield Xp[(slice(None), *(slice(k * d, k * d + (o - 1) * s + 1, s)
-                                 for k, d, o, s in zip(offset, geo.dilations, geo.out, geo.strides)))]
-
-
-def _windows(Xp: np.ndarray, geo: WindowGeometry) -> np.ndarray:
-    """A (N, C, *out, *kernel) view of every window of the padded input."""
-    rank = len(geo.kernel)
-    view = sliding_window_view(Xp, geo.extents, axis=tuple(range(2, 2 + rank)))
-    return view[(..., *(slice(None, None, s) for s in geo.strides), *(slice(None, None, d) for d in geo.dilations))]
-
-
-def _wide(*arrays: np.ndarray) -> list[np.ndarray]:
-    """Half-precision operands widened to float32: sums of many half products drift past tolerance."""
-    return [a.astype(np.float32) if a is not None and a.dtype.itemsize < 4 and a.dtype.kind in "fV" else a
-            for a in arrays]
-
-
-def _spatial_input(X: np.ndarray, op: str) -> None:
-    if X.ndim < 3:
-        raise ValueError(f"{op} needs an (N, C, spatial...) input of rank >= 3, got shape {X.shape}")
-
-
-def _check_kernel_shape(kernel_shape: Sequence[int] | None, W: np.ndarray) -> None:
-    if kernel_shape is not None and tuple(kernel_shape) != W.shape[2:]:
-        raise ValueError(f"kernel_shape {list(kernel_shape)} differs from the weights' spatial shape "
-                         f"{list(W.shape[2:])}")
-
+from odt_ops.kernels.windows import (
+    batch_steps,
+    check_kernel_shape,
+    check_spatial_input,
+    crop_flat,
+    flat_planes,
+    flat_span,
+    keeps_rows,
+    offset_slices,
+    pad_for_windows,
+    pad_into,
+    row_windows,
+    wide,
+    window_view,
+    zero_wrapped,
+)
 
 # ---------------------------------------------------------------- Conv
 
 
 def _conv_geometry(X: np.ndarray, W: np.ndarray, kernel_shape, group: int, **window) -> WindowGeometry:
-    _spatial_input(X, "Conv")
+    check_spatial_input(X, "Conv")
     if W.ndim != X.ndim:
         raise ValueError(f"Conv weights of shape {W.shape} do not match the rank of input {X.shape}")
     if group < 1 or X.shape[1] % group or W.shape[0] % group:
@@ -180,7 +63,7 @@ def _conv_geometry(X: np.ndarray, W: np.ndarray, kernel_shape, group: int, **win
     if W.shape[1] * group != X.shape[1]:
         raise ValueError(f"weights {W.shape} expect {W.shape[1] * group} input channels (group {group}), "
                          f"input has {X.shape[1]}")
-    _check_kernel_shape(kernel_shape, W)
+    check_kernel_shape(kernel_shape, W)
     return window_geometry(X.shape[2:], W.shape[2:], **window)
 
 
@@ -189,27 +72,13 @@ def _add_bias(Y: np.ndarray, B: np.ndarray) -> None:
     per_channel(np.add, Y, B.astype(Y.dtype, copy=False), out=Y)
 
 
-def _batch_steps(N: int, per_image: int, budget: int | None = None, whole: int = 2) -> Iterator[slice]:
-    """Batch slices whose temporaries (``per_image`` bytes an image) fit ``budget`` (``_CACHE_BYTES``
-    unless given); a batch up to ``whole`` budgets is one slice.
-
-    Cache blocking, not a loop over images: a large batch's im2col or col2im columns (15-20 MB
-    at batch 256) are written and read back from memory; in slices that stay in cache the same
-    work ran 25-50% faster. For them, up to twice that size is one slice (two ran no faster);
-    ``_conv_taps`` re-reads its block once per tap and wants ``whole=1`` (one block of 1.6
-    budgets ran up to 2x slower than two)."""
-    budget = _CACHE_BYTES if budget is None else budget
-    step = N if N * per_image <= whole * budget else max(1, budget // max(1, per_image))
-    return (slice(i, min(N, i + step)) for i in range(0, N, step))
-
-
 _TAP_BLOCK_BYTES = 1 << 20  # ``_conv_taps``: an image block's planes and results, kept in the core's cache
 _TAP_MIN_CHANNELS = 8  # below this a tap's GEMM is too thin (K = C): im2col's one GEMM of K = C * taps wins
 
 
 def _tap_bytes(X: np.ndarray, M: int, geo: WindowGeometry) -> int:
     """One image's working set in ``_conv_taps``: its padded planes, and its results twice (sum and term)."""
-    return (X.shape[1] * math.prod(geo.reach) + 2 * M * _flat_span(geo)) * X.itemsize
+    return (X.shape[1] * math.prod(geo.reach) + 2 * M * flat_span(geo)) * X.itemsize
 
 
 def _takes_taps(X: np.ndarray, W: np.ndarray, geo: WindowGeometry, group: int) -> bool:
@@ -224,7 +93,7 @@ def _takes_taps(X: np.ndarray, W: np.ndarray, geo: WindowGeometry, group: int) -
 def _conv_taps(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGeometry) -> np.ndarray:
     """A stride-1 convolution as one GEMM per kernel tap over flat planes, summed: no im2col.
 
-    On the zero-padded planes flattened (``_flat_planes``), tap t reads every output position's
+    On the zero-padded planes flattened (``flat_planes``), tap t reads every output position's
     input at one flat offset, so its operand is a plain slice of the planes that BLAS reads in
     place (row pitch = the plane), and Y = sum over taps of W[:, :, t] @ planes[..., offset_t:].
     The im2col form copies C * taps rows per position first (37 MB for one UNet layer at batch
@@ -234,11 +103,11 @@ def _conv_taps(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
     N, C = X.shape[:2]
     M = W.shape[0]
     dtype = np.result_type(X, W)
-    planes, offsets, span = _flat_planes(X, geo)
+    planes, offsets, span = flat_planes(X, geo)
     weights = np.ascontiguousarray(W.reshape(M, C, len(offsets)).transpose(2, 0, 1), dtype=dtype)  # (taps, M, C)
     Y = np.empty((N, M, span), dtype=dtype)
     term = None
-    for images in _batch_steps(N, _tap_bytes(X, M, geo), budget=_TAP_BLOCK_BYTES, whole=1):
+    for images in batch_steps(N, _tap_bytes(X, M, geo), budget=_TAP_BLOCK_BYTES, whole=1):
         Yb = Y[images]
         if term is None:  # the first block is the largest
             term = np.empty_like(Yb)
@@ -247,7 +116,7 @@ def _conv_taps(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
             np.matmul(weights[t], planes[images, :, offset:offset + span], out=tb if t else Yb)
             if t:
                 Yb += tb
-    Y = _crop_flat(Y, geo)
+    Y = crop_flat(Y, geo)
     if B is not None:
         _add_bias(Y, B)
     return Y
@@ -258,7 +127,7 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
 
     The im2col copy goes into a buffer with one extra row of ones when there is a bias,
     so the GEMM adds the bias (as an extra weight column) for the price of that row.
-    At stride 1 the columns may come from flat planes (``_flat_planes``): the copy then
+    At stride 1 the columns may come from flat planes (``flat_planes``): the copy then
     moves long runs instead of output rows."""
     N, C = X.shape[:2]
     M, taps = W.shape[0], math.prod(geo.kernel)
@@ -279,7 +148,7 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
     if rowwise:
         windows, grid = row_windows(X, geo), (math.prod(geo.out),)
     elif flat:
-        planes, _, span = _flat_planes(X, geo)
+        planes, _, span = flat_planes(X, geo)
         plane_strides = [math.prod(geo.reach[i + 1:]) * X.itemsize for i in range(len(geo.kernel))]
         windows = as_strided(planes, shape=(N, C, *geo.kernel, span), writeable=False,
                              strides=(*planes.strides[:2], *(d * ps for d, ps in zip(geo.dilations, plane_strides)),
@@ -287,7 +156,7 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
         grid = (span,)
     else:
         rank = len(geo.kernel)
-        windows = _windows(_pad_for_windows(X, geo, 0), geo)  # (N, C, *out, *kernel)
+        windows = window_view(pad_for_windows(X, geo, 0), geo)  # (N, C, *out, *kernel)
         windows = windows.transpose(0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
         grid = geo.out
     positions = math.prod(grid)
@@ -295,7 +164,7 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
         weights = np.concatenate([weights, B.reshape(group, M // group, 1)], axis=2)
     Y = np.empty((N, group, M // group, positions), dtype=dtype)
     buffer = None
-    for batch in _batch_steps(N, group * (rows + 1) * positions * X.itemsize):
+    for batch in batch_steps(N, group * (rows + 1) * positions * X.itemsize):
         n = batch.stop - batch.start
         if buffer is None:
             buffer = np.empty((n, group, rows + (B is not None), positions), dtype=X.dtype)
@@ -308,7 +177,7 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
             zero_wrapped(cols[:, :, :rows].reshape(n, group, C // group, *geo.kernel, *geo.out), geo)
         np.matmul(weights, cols, out=Y[batch])
     Y = Y.reshape(N, M, -1)
-    return _crop_flat(Y, geo) if flat else Y
+    return crop_flat(Y, geo) if flat else Y
 
 
 def _channels_last(X: np.ndarray) -> np.ndarray:
@@ -333,14 +202,14 @@ def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: Win
     if M != group:
         X = np.repeat(X, M // group, axis=1)
     padded = np.zeros((N, *geo.reach, M), dtype=X.dtype)
-    _pad_into(np.moveaxis(padded, -1, 1), X, geo)  # through a channels-first view of the canvas
+    pad_into(np.moveaxis(padded, -1, 1), X, geo)  # through a channels-first view of the canvas
     # (taps, last output axis, M), contiguous: with the weights spelled out along the last spatial
     # axis too, a stride-1 tap, the weights and Y all hold (last axis, M) as one contiguous run,
     # which numpy's iterator fuses into one inner loop however few the channels
     weights = np.ascontiguousarray(np.broadcast_to(W.reshape(M, -1).T[:, None, :], (W[0].size, geo.out[-1], M)))
     Y = np.empty((N, *geo.out, M), dtype=np.result_type(X, W))
     term = np.empty_like(Y)
-    for i, tap in enumerate(_offset_slices(padded, geo)):
+    for i, tap in enumerate(offset_slices(padded, geo)):
         np.multiply(tap, weights[i], out=Y if i == 0 else term)
         if i:
             Y += term
@@ -353,7 +222,7 @@ def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: Win
 @kernel("Conv", since=1)
 def conv(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
     geo = _conv_geometry(X, W, kernel_shape, group, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad)
-    Xc, Wc, Bc = _wide(X, W, B)
+    Xc, Wc, Bc = wide(X, W, B)
     if group > 1 and W.shape[1] == 1:
         Y = _conv_depthwise(Xc, Wc, Bc, geo, group)  # (N, M, positions)
     elif _takes_taps(Xc, Wc, geo, group):
@@ -396,7 +265,7 @@ def _col2im(X: np.ndarray, W: np.ndarray, group: int, strides, dilations, first:
       ending the previous block (or a zero guard before the buffer);
     - within a phase the taps and their shifts are evenly spaced (``_phase_taps``), so the
       view has one axis per spatial axis over those taps and np.sum reduces them.
-    Large batches go through in slices (``_batch_steps``) reusing one column buffer.
+    Large batches go through in slices (``batch_steps``) reusing one column buffer.
     """
     N, C, *spatial = X.shape
     kernel, taps = W.shape[2:], math.prod(W.shape[2:])
@@ -429,7 +298,7 @@ def _col2im(X: np.ndarray, W: np.ndarray, group: int, strides, dilations, first:
              for (_, step, shift), ts, bs in zip(per_axis, tap_strides, block_strides)]
     Y = np.empty((N, group * per_group, *out), dtype=dtype)
     buffer = None
-    for batch in _batch_steps(N, group * taps * row * dtype.itemsize):
+    for batch in batch_steps(N, group * taps * row * dtype.itemsize):
         n, Yb = batch.stop - batch.start, Y[batch]
         if buffer is None:
             buffer = np.empty(guard + n * group * taps * row, dtype=dtype)
@@ -496,232 +365,21 @@ def _transpose_depthwise(X: np.ndarray, W: np.ndarray, group: int, strides, dila
 @kernel("ConvTranspose", since=1)
 def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
                    output_padding=None, output_shape=None, pads=None, strides=None):
-    _spatial_input(X, "ConvTranspose")
+    check_spatial_input(X, "ConvTranspose")
     C, rank = X.shape[1], X.ndim - 2
     if W.ndim != X.ndim or W.shape[0] != C:
         raise ValueError(f"ConvTranspose weights {W.shape} must be (C={C}, M/group, kernel...) of rank {X.ndim}")
     if group < 1 or C % group:
         raise ValueError(f"group {group} must divide the input channels {C}")
-    _check_kernel_shape(kernel_shape, W)
+    check_kernel_shape(kernel_shape, W)
     kernel = W.shape[2:]
     strides = per_axis("strides", strides, rank, 1, minimum=1)
     dilations = per_axis("dilations", dilations, rank, 1, minimum=1)
     begin, out = transpose_pads(X, kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
                                  output_padding=output_padding, output_shape=output_shape)
-    Xc, Wc, Bc = _wide(X, W, B)
+    Xc, Wc, Bc = wide(X, W, B)
     depthwise = group == C and W.shape[1] == 1
     Y = (_transpose_depthwise if depthwise else _col2im)(Xc, Wc, group, strides, dilations, begin, out)
     if Bc is not None:
         _add_bias(Y, Bc)
     return (Y.astype(X.dtype, copy=False),)
-
-
-# ---------------------------------------------------------------- pooling
-
-
-def _pool_geometry(X: np.ndarray, op: str, kernel_shape, *, strides, dilations, pads, auto_pad, ceil_mode) -> WindowGeometry:
-    _spatial_input(X, op)
-    if kernel_shape is None:
-        raise ValueError(f"{op} needs the kernel_shape attribute")
-    kernel = per_axis("kernel_shape", kernel_shape, X.ndim - 2, 1, minimum=1)
-    return window_geometry(X.shape[2:], kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
-                     ceil_mode=ceil_mode)
-
-
-def _lowest(dtype: np.dtype):
-    return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
-
-
-def _axis_taps(V: np.ndarray, geo: WindowGeometry, axis: int) -> list[np.ndarray]:
-    """Per kernel offset along one spatial axis, the strided view it reads at every output position."""
-    k, d, o, s = geo.kernel[axis], geo.dilations[axis], geo.out[axis], geo.strides[axis]
-    lead = (slice(None),) * (2 + axis)
-    return [V[(*lead, slice(j * d, j * d + (o - 1) * s + 1, s))] for j in range(k)]
-
-
-def _separable(ufunc: np.ufunc, Xp: np.ndarray, geo: WindowGeometry) -> np.ndarray:
-    """Reduce every window with ``ufunc`` one axis at a time: a box max or sum is separable, so
-    sum(kernel) whole-array ufunc calls replace prod(kernel) ones, each on shrinking data.
-    The first spatial axis goes first, while the innermost one is still contiguous."""
-    V = Xp
-    for axis in range(len(geo.kernel)):
-        taps = _axis_taps(V, geo, axis)
-        if len(taps) == 1:
-            V = taps[0]
-            continue
-        V = ufunc(taps[0], taps[1])
-        for tap in taps[2:]:
-            ufunc(V, tap, out=V)
-    return V if V.base is None else np.array(V)  # never hand out a view of the input
-
-
-def _max_with_indices(X: np.ndarray, Xp: np.ndarray, geo: WindowGeometry,
-                      storage_order: int) -> tuple[np.ndarray, np.ndarray]:
-    """Max and the flat input index of the first maximum in row-major window order.
-
-    Separable like the plain max, but from the last axis to the first: picking the first
-    strict maximum per row, then the first row holding a strictly larger one, is exactly
-    "first in row-major order". Each value carries the position it came from."""
-    N, C, *spatial = X.shape
-    plane = math.prod(spatial)
-    # each element's flat position in its (n, c) plane (row- or column-major), -1 on padding;
-    # int32 halves the traffic of the selects below (a plane never holds 2**31 elements)
-    place = np.arange(plane, dtype=np.int32).reshape(spatial[::-1] if storage_order else spatial)
-    place = _pad_for_windows((place.T if storage_order else place)[None, None], geo, -1)
-    padded = bool((place < 0).any())
-    values, where = Xp, place
-    for axis in reversed(range(len(spatial))):
-        taps = zip(_axis_taps(values, geo, axis), _axis_taps(where, geo, axis))
-        first, first_place = next(taps)
-        values = np.array(first)
-        where = np.broadcast_to(first_place, values.shape).copy()
-        for tap, tap_place in taps:
-            better = tap > values
-            if padded:  # any real tap replaces a padding one (uint8 zeros tie with the padding)
-                better |= where < 0
-            np.maximum(values, tap, out=values)
-            # select by arithmetic: np.where / masked copyto branch on a random mask and run ~7x slower
-            step = tap_place - where
-            step *= better
-            where += step
-    planes = np.arange(N * C, dtype=np.int64).reshape(N, C, *(1,) * len(spatial)) * plane
-    return values, planes + where
-
-
-def _tiles(geo: WindowGeometry, spatial: Sequence[int]) -> bool:
-    """Whether the windows tile the input: kernel == stride, undilated, no padding read."""
-    return geo.kernel == geo.strides and all(d == 1 for d in geo.dilations) and not any(geo.begin) \
-        and all(r <= n for r, n in zip(geo.reach, spatial))
-
-
-def _offset_dtype(largest: int) -> np.dtype:
-    """The narrowest signed integer holding +-largest: the selects below move 1-2 bytes per element."""
-    return next(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64) if largest <= np.iinfo(t).max)
-
-
-def _max_with_indices_tiled(X: np.ndarray, geo: WindowGeometry, storage_order: int) -> tuple[np.ndarray, np.ndarray]:
-    """``_max_with_indices`` for windows that tile the input (the common 2x2 stride 2).
-
-    The same passes, last window axis first, so ties and NaNs resolve exactly alike. The
-    strided taps of small planes cost numpy one short inner loop per output row in every
-    pass, so one copy first lays the input out tap-major, (*kernel, N, C, *out): each pass
-    then runs over whole contiguous blocks (a large batch in cache-sized slices). Each value
-    carries its offset from its window's origin in the narrowest integer that holds it; the
-    flat index is assembled once, straight into the output."""
-    N, C, *spatial = X.shape
-    rank = len(spatial)
-    plane = math.prod(spatial)
-    pitch = [math.prod(spatial[a + 1:]) for a in range(rank)]  # row-major plane strides
-    if storage_order:
-        pitch = [math.prod(spatial[:a]) for a in range(rank)]
-    grid = as_strided(X, writeable=False,
-                      shape=(N, C, *(n for o, k in zip(geo.out, geo.kernel) for n in (o, k))),
-                      strides=(*X.strides[:2], *(n for s, k in zip(X.strides[2:], geo.kernel) for n in (s * k, s))))
-    tap_major = (*range(3, 2 + 2 * rank, 2), 0, 1, *range(2, 2 + 2 * rank, 2))
-    origin = sum(np.arange(o, dtype=np.int64).reshape((o,) + (1,) * (rank - 1 - a)) * (k * p)
-                 for a, (o, k, p) in enumerate(zip(geo.out, geo.kernel, pitch)))
-    planes = np.arange(N * C, dtype=np.int64).reshape(N, C, *(1,) * rank) * plane
-    offset_type = _offset_dtype(sum((k - 1) * p for k, p in zip(geo.kernel, pitch)))  # the farthest tap
-    values = np.empty((N, C, *geo.out), dtype=X.dtype)
-    indices = np.empty((N, C, *geo.out), dtype=np.int64)
-    buffer = None
-    for batch in _batch_steps(N, 2 * C * plane * X.itemsize):  # the taps and the passes' temporaries
-        n = batch.stop - batch.start
-        if buffer is None:
-            buffer = np.empty((*geo.kernel, n, C, *geo.out), dtype=X.dtype)
-        taps = buffer[(slice(None),) * rank + (slice(n),)]
-        np.copyto(taps, grid[batch].transpose(tap_major))
-        offsets = _first_max_offsets(taps, geo.kernel, pitch, offset_type, values[batch])
-        np.add(planes[batch], origin, out=indices[batch])
-        if offsets is not None:  # None: one-tap windows
-            indices[batch] += offsets
-    return values, indices
-
-
-def _first_max_offsets(taps: np.ndarray, kernel: Sequence[int], pitch: Sequence[int], offset_type: np.dtype,
-                       out: np.ndarray) -> np.ndarray | None:
-    """Max over the leading (*kernel) axes of ``taps`` into ``out``, last axis first, and the plane
-    offset of the first maximum (None for one-tap windows), as in ``_max_with_indices``."""
-    rank = len(kernel)
-    values, offsets = taps, None
-    for axis in reversed(range(rank)):  # values: (*kernel[:axis + 1], n, C, *out)
-        lead = (slice(None),) * axis
-        row = [values[(*lead, j)] for j in range(kernel[axis])]
-        carried = [None if offsets is None else offsets[(*lead, j)] for j in range(kernel[axis])]
-        best, at = row[0], carried[0]
-        for j, (tap, came) in enumerate(zip(row[1:], carried[1:]), start=1):
-            # at = better ? j steps along this axis + came : at, by arithmetic (no branchy select)
-            better = (tap > best).view(np.int8)
-            if j == 1:  # the first maximum makes a fresh array (the last pass's lands in ``out``)
-                best = np.maximum(best, tap, out=out if axis == 0 else None)
-            else:
-                np.maximum(best, tap, out=best)
-            if at is None:  # no offsets yet: all zero
-                at = better * offset_type.type(j * pitch[axis])
-                continue
-            step = np.subtract(offset_type.type(j * pitch[axis]), at, dtype=offset_type)
-            if came is not None:
-                step += came
-            step *= better
-            at = at + step if j == 1 else np.add(at, step, out=at)
-        values, offsets = best, at
-    if values is not out:  # a one-tap first axis: no maximum was taken in the last pass
-        np.copyto(out, values)
-    return offsets
-
-
-@kernel("MaxPool", since=1)
-def max_pool(X, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None, storage_order=0,
-             strides=None, _num_outputs=1):
-    geo = _pool_geometry(X, "MaxPool", kernel_shape, strides=strides, dilations=dilations, pads=pads,
-                         auto_pad=auto_pad, ceil_mode=ceil_mode)
-    if storage_order not in (0, 1):
-        raise ValueError(f"storage_order must be 0 (row major) or 1 (column major), got {storage_order}")
-    if _num_outputs > 1 and _tiles(geo, X.shape[2:]):
-        return _max_with_indices_tiled(X, geo, storage_order)
-    Xp = _pad_for_windows(X, geo, _lowest(X.dtype))
-    if _num_outputs > 1:
-        return _max_with_indices(X, Xp, geo, storage_order)
-    return (_separable(np.maximum, Xp, geo),)
-
-
-@kernel("AveragePool", since=1)
-def average_pool(X, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None,
-                 pads=None, strides=None):
-    geo = _pool_geometry(X, "AveragePool", kernel_shape, strides=strides, dilations=dilations, pads=pads,
-                         auto_pad=auto_pad, ceil_mode=ceil_mode)
-    total = _separable(np.add, _pad_for_windows(X, geo, 0), geo)
-    counts = window_counts(X.shape[2:], geo, bool(count_include_pad))
-    full = math.prod(geo.kernel)
-    if (counts == full).all():
-        total *= X.dtype.type(1 / full)
-    else:
-        total /= counts.astype(X.dtype)
-    return (total,)
-
-
-@kernel("LpPool", since=1)
-def lp_pool(X, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2, pads=None, strides=None):
-    geo = _pool_geometry(X, "LpPool", kernel_shape, strides=strides, dilations=dilations, pads=pads,
-                         auto_pad=auto_pad, ceil_mode=ceil_mode)
-    if p <= 0:
-        raise ValueError(f"LpPool p must be positive, got {p}")
-    powered = X * X if p == 2 else np.abs(X) ** X.dtype.type(p)
-    total = _separable(np.add, _pad_for_windows(powered, geo, 0), geo)
-    return (np.sqrt(total) if p == 2 else total ** X.dtype.type(1 / p),)
-
-
-@kernel("GlobalAveragePool", since=1)
-def global_average_pool(X):
-    _spatial_input(X, "GlobalAveragePool")
-    if X.dtype not in (np.float32, np.float64):
-        return (X.mean(axis=tuple(range(2, X.ndim)), keepdims=True),)
-    total = sum_along(X, tuple(range(2, X.ndim)), True)  # gemv over the planes where that is faster
-    total *= X.dtype.type(1 / math.prod(X.shape[2:]))
-    return (total,)
-
-
-@kernel("GlobalMaxPool", since=1)
-def global_max_pool(X):
-    _spatial_input(X, "GlobalMaxPool")
-    return (X.max(axis=tuple(range(2, X.ndim)), keepdims=True),)

@@ -1,6 +1,6 @@
 """Window and resize geometry: where a convolution's or a pool's windows sit over its input,
 how a transposed convolution's padding works out, and which input samples each resized
-output reads. Shared by the kernels (odt_ops/kernels/conv.py, nn.py) and the gradient rules
+output reads. Shared by the kernels (odt_ops/kernels/conv.py, pool.py, windows.py, nn.py) and the gradient rules
 that must retrace the forward's geometry exactly (odt_ops/grad/rules/conv.py, nn.py).
 """
 from __future__ import annotations

@@ -25,6 +25,8 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from odt_ops.domain import canonical
+
 Kernel = Callable[..., tuple]
 
 ENGINE_KEYWORDS = ("_num_outputs", "_rng")
@@ -62,7 +64,7 @@ def kernel(op_type: str, *, since: int = 1, domain: str = "") -> Callable[[Kerne
 
 def lookup(domain: str, op_type: str, opset: int) -> KernelEntry | None:
     """The kernel in force for ``op_type`` at ``opset``, or None."""
-    versions = _KERNELS.get(("" if domain == "ai.onnx" else domain, op_type))
+    versions = _KERNELS.get((canonical(domain), op_type))
     if not versions:
         return None
     eligible = [v for v in versions if v <= opset]

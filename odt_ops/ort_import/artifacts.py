@@ -31,7 +31,9 @@ from onnx import helper, numpy_helper
 
 from odt_ops.artifacts import generate_artifacts
 from odt_ops.checkpoint import Checkpoint, OptimizerState, check_matches, load_checkpoint, save_checkpoint
+from odt_ops.domain import is_default
 from odt_ops.errors import ArtifactError, CheckpointError, ModelLoadError
+from odt_ops.ir.graph import producers
 from odt_ops.onnxblock import Block, optim
 from odt_ops.onnxblock import loss as losses
 from odt_ops.ort_import.checkpoint import read_ort_checkpoint
@@ -150,7 +152,7 @@ def _static_shape(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
 def _split_loss(model: onnx.ModelProto, params: set[str], where: str) -> dict:
     """Recognise ONNX Runtime's loss block at the eval model's first output."""
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output if o}
+    producer = producers(graph.node)
     consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     outputs = [o.name for o in graph.output]
     if not outputs:
@@ -253,7 +255,7 @@ def _forward_model(model: onnx.ModelProto, ckpt: Checkpoint, loss: dict, where: 
     """The nodes the forward outputs depend on, the parameters back as initializers."""
     graph = model.graph
     wanted = list(dict.fromkeys([*loss["forward_outputs"], *loss["extra"]]))
-    producer = {o: n for n in graph.node for o in n.output if o}
+    producer = producers(graph.node)
     needed: set[str] = set()
     stack = list(wanted)
     keep: set[int] = set()
@@ -285,7 +287,7 @@ def _forward_model(model: onnx.ModelProto, ckpt: Checkpoint, loss: dict, where: 
             raise ArtifactError(f"{where}: the type of forward output {name!r} cannot be inferred")
         outputs.append(onnx.ValueInfoProto(name=name, type=types[name]))
     used_domains = {n.domain for n in nodes} | {""}
-    opsets = [o for o in model.opset_import if o.domain in used_domains or (o.domain == "ai.onnx" and "" in used_domains)]
+    opsets = [o for o in model.opset_import if o.domain in used_domains or (is_default(o.domain) and "" in used_domains)]
     forward_graph = helper.make_graph(nodes, graph.name or "forward", inputs, outputs, initializers)
     forward = helper.make_model(forward_graph, opset_imports=opsets, ir_version=model.ir_version)
     forward.producer_name = "odt_ops.ort_import"

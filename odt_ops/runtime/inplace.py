@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 
+from odt_ops.domain import is_default
 from odt_ops.ir.attributes import node_attributes
 
 Writer = Callable[..., tuple]
@@ -23,7 +24,7 @@ Writer = Callable[..., tuple]
 
 def writer(node: onnx.NodeProto, kernel: Callable[..., tuple]) -> Writer | None:
     """``node``'s kernel writing into the array given as ``out=``, or None when its op has no writer."""
-    make = _WRITERS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    make = _WRITERS.get(node.op_type) if is_default(node.domain) else None
     return None if make is None else make(node_attributes(node), kernel)
 
 

@@ -15,14 +15,15 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx
 
-from odt_ops.errors import InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
-from odt_ops.ir.control_flow import implicit_inputs
-from odt_ops.ir.order import topological_order
-from odt_ops.kernels.binding import bind_kernel, missing_kernels, node_inputs
+from odt_ops.domain import canonical
+from odt_ops.errors import ArgumentError, InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
+from odt_ops.ir.binding import bind_kernel, missing_kernels, node_inputs
+from odt_ops.ir.graph import implicit_inputs, topological_order
 from odt_ops.runtime import fusion, inplace
 from odt_ops.runtime.memory import tune_allocator
 
@@ -38,6 +39,19 @@ def bind_node(node: onnx.NodeProto, opset: int, rng: np.random.Generator | None 
     if node.domain == fusion.DOMAIN:
         return fusion.bind(node, opset)
     return bind_kernel(node, opset, rng, opsets, compile_subgraph=Plan)  # control-flow bodies run as plans too
+
+
+@dataclass(frozen=True)
+class GeneratedRun:
+    """The generated ``run(feeds, into)`` with what the plan needs beside it: its source (shown by
+    tracebacks and pdb), where its step lines start and each step's argument names (to name the
+    node a failing line runs), and its kernels by global name (to route them through a profiler)."""
+
+    fn: Callable[..., list[np.ndarray]]
+    source: str
+    first_step_line: int
+    kernels: dict[str, tuple[int, Callable]]
+    step_inputs: list[list[str]]
 
 
 @dataclass(frozen=True)
@@ -84,7 +98,7 @@ class Plan:
         self._checks = dict(checks or {})
         stray = set(self.destinations) - set(self.output_names)
         if stray:
-            raise ValueError(f"destinations {sorted(stray)} are not among the plan's outputs")
+            raise ArgumentError(f"Plan(destinations=...): {sorted(stray)} are not among the plan's outputs {self.output_names}")
         # the phases, each a method: order (and fuse) the nodes, bind each to its kernel, free each
         # value after its last reader, let nodes write destinations in place, generate the run
         nodes = self._ordered_nodes(graph, opsets, fuse)
@@ -124,7 +138,7 @@ class Plan:
                     raise ModelCheckError(f"{node_label(node)} reads {name!r}, which nothing produces")
             known.update(n for n in node.output if n)
             # fused nodes run ai.onnx kernels at the graph's opset
-            opset = opsets.get("" if node.domain in ("ai.onnx", fusion.DOMAIN) else node.domain, 0)
+            opset = opsets.get("" if node.domain == fusion.DOMAIN else canonical(node.domain), 0)
             steps.append((bind_node(node, opset, rng, opsets), tuple(ins), tuple(node.output), node))
         for name in [*self.output_names, *self._checks]:
             if name not in known:
@@ -159,7 +173,7 @@ class Plan:
         return writers
 
     def run(self, feeds: Sequence[np.ndarray], *, into: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-        run = self._run
+        run = self._run.fn
         if len(feeds) != len(self.input_names):
             raise InputError(f"the plan takes {len(self.input_names)} feeds ({self.input_names}), got {len(feeds)}")
         if into is not None and len(into) != len(self.destinations):
@@ -169,12 +183,12 @@ class Plan:
         except OdtError:
             raise
         except Exception as exc:  # a kernel met values it cannot handle: name the node
-            failed = _failed_step(exc, run)
+            failed = _failed_step(exc, self._run)
             if failed is None:
                 raise
             index, frame = failed
             step = self.steps[index]
-            values = [frame.f_locals.get(v, frame.f_globals.get(v)) for v in run.step_inputs[index]]
+            values = [frame.f_locals.get(v, frame.f_globals.get(v)) for v in self._run.step_inputs[index]]
             raise KernelError(
                 f"{node_label(step.node)} failed on inputs ({describe_arrays(values)}): {type(exc).__name__}: {exc}"
             ) from exc
@@ -182,9 +196,9 @@ class Plan:
     def instrument(self, wrap: Callable[[Step, Callable], Callable] | None) -> None:
         """Route every step's kernel through ``wrap(step, fn)`` (a profiler's timer); None undoes it."""
         for key, (i, fn) in self._run.kernels.items():
-            self._run.__globals__[key] = fn if wrap is None else wrap(self.steps[i], fn)
+            self._run.fn.__globals__[key] = fn if wrap is None else wrap(self.steps[i], fn)
 
-    def _compile(self, writers: Mapping[int, Callable]) -> Callable:
+    def _compile(self, writers: Mapping[int, Callable]) -> GeneratedRun:
         """The run as one generated function ``run(feeds, into)``: a line per step, so a traceback's
         line names the step; ``into`` (None or the destination arrays) picks the writers and the
         destination copies."""
@@ -220,7 +234,8 @@ class Plan:
         head += checks(n for n in dict.fromkeys([*self.input_names, *self._constants]))
         lines = ["def run(feeds, into):", head]
         first_step_line = len(lines) + 1  # line numbers count from 1
-        kernels, step_inputs = {}, []
+        kernels: dict[str, tuple[int, Callable]] = {}
+        step_inputs: list[list[str]] = []
         for i, step in enumerate(self.steps):
             kernels[f"k{i}"] = (i, step.fn)
             fn = f"k{i}"
@@ -257,9 +272,8 @@ class Plan:
         # registered, so tracebacks, pdb and inspect show the generated source with its node comments
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
         exec(compile(source, filename, "exec"), space)  # noqa: S102 - generated from the plan's own steps
-        run = space["run"]
-        run.first_step_line, run.kernels, run.step_inputs, run.source = first_step_line, kernels, step_inputs, source
-        return run
+        run = cast(Callable[..., list[np.ndarray]], space["run"])  # the `def run` just executed
+        return GeneratedRun(run, source, first_step_line, kernels, step_inputs)
 
 
 def _comment(step: Step) -> str:
@@ -290,11 +304,11 @@ def _describe(value) -> str:
     return f"{array.dtype}{list(array.shape)}"
 
 
-def _failed_step(exc: BaseException, run: Callable):
+def _failed_step(exc: BaseException, run: GeneratedRun):
     """(step index, frame) of the generated run's line that was executing when ``exc`` was raised."""
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code is run.__code__:
+        if tb.tb_frame.f_code is run.fn.__code__:
             index = tb.tb_lineno - run.first_step_line
             return (index, tb.tb_frame) if 0 <= index < len(run.step_inputs) else None
         tb = tb.tb_next

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from odt_ops.domain import opset_versions
 from odt_ops.errors import InputError
 from odt_ops.ir.load import ModelSource, load_model
 from odt_ops.ir.model import Model
@@ -69,7 +70,7 @@ class InferenceSession:
         graph = self.model.graph
         self.inputs = [ValueSpec.of(v) for v in graph.input]
         self.outputs = [ValueSpec.of(v) for v in graph.output]
-        opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in self.model.proto.opset_import}
+        opsets = opset_versions(self.model.proto.opset_import)
         self._rng = np.random.default_rng(seed)
         self._plan = Plan(
             graph,

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from odt_ops.ir import passes
-from odt_ops.ir.control_flow import implicit_inputs, outer_reads
+from odt_ops.ir.graph import implicit_inputs, outer_reads
 from odt_ops.ir.model import Model
 
 F, I64, B = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
@@ -146,7 +146,7 @@ def test_scan_forward_axes_and_directions():
 # ---- lowering at load ------------------------------------------------------------------------------
 
 def _ops(model) -> set[str]:
-    from odt_ops.ir.control_flow import all_nodes
+    from odt_ops.ir.graph import all_nodes
 
     return {n.op_type for n in all_nodes(model.graph.node)}
 
@@ -361,7 +361,7 @@ def test_a_trip_count_from_the_batch_is_not_fixed_at_load():
 def test_control_flow_bound_without_the_runtime_runs_its_bodies_node_by_node():
     """The loader binds kernels without a plan compiler (kernels/ never imports runtime/): a
     Loop bound that way runs its body node by node, to what the runtime's nested plans compute."""
-    from odt_ops.kernels.binding import bind_kernel
+    from odt_ops.ir.binding import bind_kernel
 
     model = _loop_model()
     node, w = model.graph.node[0], {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}

@@ -15,7 +15,7 @@ from onnx import helper
 
 import odt_ops
 from odt_ops.errors import KernelError
-from odt_ops.kernels.conv import max_pool
+from odt_ops.kernels.pool import max_pool
 from odt_ops.runtime.plan import Plan
 
 SETTINGS = settings(deadline=None, max_examples=25)
@@ -116,7 +116,8 @@ def test_conv(geometry, group, in_per_group, out_per_group, batch, bias, seed):
 def test_conv_keeping_the_row_length(spatial, attrs, group, in_per_group, out_per_group, bias):
     """Stride 1 with every output axis but the first as long as the input's: the im2col reads the
     unpadded planes at flat offsets and clears what wraps across row ends (``row_windows``)."""
-    from odt_ops.kernels.conv import _conv_geometry, keeps_rows
+    from odt_ops.kernels.conv import _conv_geometry
+    from odt_ops.kernels.windows import keeps_rows
 
     C, M = group * in_per_group, group * out_per_group
     feeds = {"X": rand(len(spatial), 3, C, *spatial), "W": rand(7, M, in_per_group, *attrs["kernel_shape"])}
@@ -290,8 +291,9 @@ def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, s
     """Windows that tile the input take the tap-major path: same values (bit for bit) and indices as the
     general separable path, on ties, NaNs (two payloads), -0.0 and infinities, with cropped edges;
     and the same in batch slices."""
-    import odt_ops.kernels.conv as conv_kernels
-    from odt_ops.kernels.conv import _lowest, _max_with_indices, _pad_for_windows, _pool_geometry
+    import odt_ops.kernels.windows as window_kernels
+    from odt_ops.kernels.pool import _lowest, _max_with_indices, _pool_geometry
+    from odt_ops.kernels.windows import pad_for_windows
 
     rng = np.random.default_rng(sum(spatial) * 31 + sum(kernel) * 7 + storage_order)
     for trial in range(6):
@@ -305,17 +307,17 @@ def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, s
             nan_bits[rng.random(X.shape) < 0.03] = np.array(-np.nan, dtype).view(nan_bits.dtype) | 1  # another payload
         before = X.copy()
         Y, I = max_pool(X, kernel_shape=list(kernel), strides=list(kernel), storage_order=storage_order, _num_outputs=2)
-        saved = conv_kernels._CACHE_BYTES
+        saved = window_kernels.CACHE_BYTES
         try:
-            conv_kernels._CACHE_BYTES = 1  # one image a slice: the same bits
+            window_kernels.CACHE_BYTES = 1  # one image a slice: the same bits
             sliced = max_pool(X, kernel_shape=list(kernel), strides=list(kernel), storage_order=storage_order,
                               _num_outputs=2)
         finally:
-            conv_kernels._CACHE_BYTES = saved
+            window_kernels.CACHE_BYTES = saved
         assert sliced[0].tobytes() == Y.tobytes() and sliced[1].tobytes() == I.tobytes()
         geo = _pool_geometry(X, "MaxPool", list(kernel), strides=list(kernel), dilations=None, pads=None,
                              auto_pad="NOTSET", ceil_mode=0)
-        want_Y, want_I = _max_with_indices(X, _pad_for_windows(X, geo, _lowest(X.dtype)), geo, storage_order)
+        want_Y, want_I = _max_with_indices(X, pad_for_windows(X, geo, _lowest(X.dtype)), geo, storage_order)
         assert Y.dtype == want_Y.dtype and Y.shape == want_Y.shape and Y.tobytes() == want_Y.tobytes()
         assert I.dtype == np.int64 and I.flags.c_contiguous
         np.testing.assert_array_equal(I, want_I)
@@ -326,9 +328,10 @@ def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, s
 @given(windows(max_stride=2), transpose_windows(), st.integers(1, 2), st.integers(1, 2), st.integers(1, 2),
        st.sampled_from([1, 3000]), seeds)
 def test_conv_in_batch_slices_is_unchanged(geometry, transposed, group, in_per_group, out_per_group, budget, seed):
-    """Conv and ConvTranspose through ``_batch_steps`` slices (a tiny cache budget) give the very same
+    """Conv and ConvTranspose through ``batch_steps`` slices (a tiny cache budget) give the very same
     bits as in one go: the column buffer is reused, the bias row and zero guard must survive."""
     import odt_ops.kernels.conv as conv_kernels
+    import odt_ops.kernels.windows as window_kernels
 
     C, M = group * in_per_group, group * out_per_group
     rng = np.random.default_rng(seed)
@@ -342,10 +345,10 @@ def test_conv_in_batch_slices_is_unchanged(geometry, transposed, group, in_per_g
     B = rng.standard_normal(M).astype(np.float32)
     for fn, X, W, attrs in cases:
         whole = fn(X, W, B, group=group, **attrs)[0]
-        saved = conv_kernels._CACHE_BYTES
+        saved = window_kernels.CACHE_BYTES
         try:
-            conv_kernels._CACHE_BYTES = budget
+            window_kernels.CACHE_BYTES = budget
             sliced = fn(X, W, B, group=group, **attrs)[0]
         finally:
-            conv_kernels._CACHE_BYTES = saved
+            window_kernels.CACHE_BYTES = saved
         assert sliced.dtype == whole.dtype and sliced.tobytes() == whole.tobytes()

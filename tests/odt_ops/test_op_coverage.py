@@ -7,7 +7,7 @@ from __future__ import annotations
 from onnx import defs
 
 import odt_ops.grad.rules  # noqa: F401 - registers every rule
-from odt_ops.grad.coverage import NOT_DIFFERENTIABLE, NOT_SUPPORTED
+from odt_ops.coverage import NOT_DIFFERENTIABLE, NOT_SUPPORTED
 from odt_ops.grad.registry import GRADIENTS
 from odt_ops.ir.recurrent import RECURRENT_OPS
 from odt_ops.kernels import registered_ops

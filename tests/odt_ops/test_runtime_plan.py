@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from odt_ops import artifacts, meta
 from odt_ops.api import CheckpointState, Module, TrainingDivergedError
-from odt_ops.errors import KernelError
+from odt_ops.errors import ArgumentError, KernelError
 from odt_ops.onnxblock import loss as losses
 from odt_ops.runtime.plan import Plan
 from tests.odt_ops.models import classification_data, cnn, mlp
@@ -349,8 +349,14 @@ def test_fusions_can_be_named_or_switched_off(monkeypatch):
     assert squeezes(Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], fuse=["reduce_squeeze"])) == 0
     monkeypatch.setenv("ODT_FUSE", "0")
     assert squeezes(Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"])) == 1
-    with pytest.raises(ValueError, match="unknown fusion"):
+    with pytest.raises(ArgumentError, match="unknown fusion"):
         Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], fuse=["no_such_fusion"])
+
+
+def test_destinations_outside_the_outputs_are_our_error():
+    constants = {"axes": np.array([0], np.int64)}
+    with pytest.raises(ArgumentError, match=r"destinations.*\['z'\]"):
+        Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], destinations=["z"])
 
 
 def _personal() -> onnx.ModelProto:
@@ -453,7 +459,7 @@ def test_the_generated_run_has_source_that_tracebacks_and_debuggers_show():
     from odt_ops.errors import KernelError
 
     plan = _two_node_plan()
-    source = inspect.getsource(plan._run)  # what pdb's `list` shows
+    source = inspect.getsource(plan._run.fn)  # what pdb's `list` shows
     assert "Relu node 'act': (x) -> (h)" in source and "Reshape node 'flat': (h, s) -> (y)" in source
     with pytest.raises(KernelError) as raised:
         plan.run([np.ones((2, 3), np.float32), np.array([4, 4])])

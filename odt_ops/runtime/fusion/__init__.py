@@ -12,17 +12,24 @@ A pass only removes a value that nothing else reads and that the caller does not
 (graph outputs, checked values), and only rewrites what it can prove equal from the
 node attributes and constants; anything else is left for the node-by-node path.
 """
-from odt_ops.runtime.fusion.graph import DOMAIN, FUSIONS, STANDARD, Graph, bind, fuse, fused_op, fusion
+from odt_ops.runtime.fusion import activations, loss, normalization, reductions, scatter, sizes, windows  # noqa: F401  (registers)
+from odt_ops.runtime.fusion.graph import DOMAIN, FUSIONS, STANDARD, Graph, bind, fuse, fused_op, fusion, run_in_order
 
-# Each family registers its passes on import, and FUSIONS runs them in this order.
-# isort: off
-from odt_ops.runtime.fusion import loss  # noqa: F401
-from odt_ops.runtime.fusion import reductions  # noqa: F401
-from odt_ops.runtime.fusion import windows  # noqa: F401
-from odt_ops.runtime.fusion import scatter  # noqa: F401
-from odt_ops.runtime.fusion import activations  # noqa: F401
-from odt_ops.runtime.fusion import sizes  # noqa: F401
-from odt_ops.runtime.fusion import normalization  # noqa: F401
-# isort: on
+# The order the passes run in, stated here rather than left to the order of the imports above:
+# a pass matches the nodes the earlier passes left, so a reordering changes what fuses (the
+# fused-versus-unfused tests in test_runtime_plan.py hold this order bit-equal to the graphs).
+ORDER = (
+    "softmax_cross_entropy_grad",
+    "reduce_squeeze",
+    "stacked_slices",
+    "window_columns",
+    "scatter_into_zeros",
+    "relu_masked_scatter",
+    "relu_in_place",
+    "activation_grad",
+    "divide_by_size",
+    "normalization_grad",
+)
+run_in_order(ORDER)
 
-__all__ = ["DOMAIN", "FUSIONS", "STANDARD", "Graph", "bind", "fuse", "fused_op", "fusion"]
+__all__ = ["DOMAIN", "FUSIONS", "ORDER", "STANDARD", "Graph", "bind", "fuse", "fused_op", "fusion"]

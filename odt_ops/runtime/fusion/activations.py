@@ -71,8 +71,8 @@ def _activation_grad_match(g: Graph, outer: onnx.NodeProto):
     """(fused op, the two inner nodes, Y, the constant 1) if ``outer`` ends one of the two rules."""
     for op_type, (first_op, second_op) in _ACTIVATION_GRADS.items():
         first = g.producer(outer.input[1], first_op)
-        second = first and g.producer(first.input[1], second_op)
-        if not (second and g.sole_reader(first.output[0], "Mul", 1) is outer
+        second = g.producer(first.input[1], second_op) if first else None
+        if first is None or second is None or not (g.sole_reader(first.output[0], "Mul", 1) is outer
                 and g.sole_reader(second.output[0], first_op, 1) is first):
             continue
         minus, product = (first, second) if first_op == "Sub" else (second, first)

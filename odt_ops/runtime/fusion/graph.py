@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import onnx
 
+from odt_ops.errors import ArgumentError
 from odt_ops.ir.attributes import node_attributes
+from odt_ops.ir.graph import consumers, producers
 from odt_ops.kernels import lookup
 
 DOMAIN = "odt_ops.fused"
@@ -35,6 +37,14 @@ fusion: Callable[[str], Callable[[Pass], Pass]] = _registrar(FUSIONS, "fusion") 
 fused_op: Callable[[str], Callable[[Factory], Factory]] = _registrar(_OPS, "fused op")  # a fused node's implementation
 
 
+def run_in_order(order: Sequence[str]) -> None:
+    """Make ``order`` the order ``fuse`` runs the passes in: every registered pass, each once."""
+    assert sorted(order) == sorted(FUSIONS), f"the fusion order {list(order)} must name each of {sorted(FUSIONS)} once"
+    passes = {name: FUSIONS[name] for name in order}
+    FUSIONS.clear()
+    FUSIONS.update(passes)
+
+
 def bind(node: onnx.NodeProto, opset: int) -> Callable[..., tuple]:
     """The implementation of a fused node; ``opset`` is the graph's ai.onnx opset."""
     return _OPS[node.op_type](node_attributes(node), opset)
@@ -45,7 +55,7 @@ def fuse(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], k
     """The nodes with every fusion (or those named in ``only``) applied; ``keep`` must survive."""
     unknown = set(only or ()) - set(FUSIONS)
     if unknown:
-        raise ValueError(f"unknown fusion(s) {sorted(unknown)}; the fusions are {list(FUSIONS)}")
+        raise ArgumentError(f"fuse(only=...): unknown fusion(s) {sorted(unknown)}; the fusions are {list(FUSIONS)}")
     graph = Graph(nodes, constants, set(keep))
     for name, run in FUSIONS.items():
         if only is None or name in only:
@@ -63,13 +73,8 @@ class Graph:
         self._index()
 
     def _index(self) -> None:
-        self._producer: dict[str, onnx.NodeProto] = {}
-        self._consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in self.nodes:
-            for name in node.output:
-                self._producer[name] = node
-            for name in node.input:
-                self._consumers.setdefault(name, []).append(node)
+        self._producer = producers(self.nodes)
+        self._consumers = consumers(self.nodes)
 
     def producer(self, name: str, op_type: str, domains: tuple[str, ...] = STANDARD) -> onnx.NodeProto | None:
         node = self._producer.get(name)

@@ -22,9 +22,11 @@ def _softmax_cross_entropy_grad(g: Graph) -> bool:
         log_prob = sce.output[1]
         for exp in [n for n in g.consumers(log_prob) if n.op_type == "Exp" and n.domain in STANDARD]:
             sub = g.sole_reader(exp.output[0], "Sub", 0)
-            one_hot = sub and g.producer(sub.input[1], "OneHot")
-            mul = sub and g.sole_reader(sub.output[0], "Mul", 0)
-            if not (one_hot and mul and g.sole_reader(one_hot.output[0], "Sub") is sub):
+            if sub is None:
+                continue
+            one_hot = g.producer(sub.input[1], "OneHot")
+            mul = g.sole_reader(sub.output[0], "Mul", 0)
+            if one_hot is None or mul is None or g.sole_reader(one_hot.output[0], "Sub") is not sub:
                 continue
             values = g.constant(one_hot.input[2])
             if node_attributes(one_hot).get("axis", -1) != 1 or values is None or values.tolist() != [0, 1]:

@@ -33,7 +33,8 @@ class _Chain:
     """Walks producers from a node, remembering every node it passes, for one pattern match."""
 
     def __init__(self, g: Graph):
-        self.g, self.nodes = g, []
+        self.g = g
+        self.nodes: list[onnx.NodeProto] = []
 
     def __call__(self, name: str, op_type: str) -> onnx.NodeProto:
         node = self.g.producer(name, op_type)

@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 
 from odt_ops.ir.attributes import node_attributes
+from odt_ops.kernels._fast import BITS
 from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, fused_node, fused_op, fusion
 
 
@@ -93,13 +94,10 @@ def _scatter_into_zeros_op(attrs: dict, opset: int) -> Callable[..., tuple]:
     return run
 
 
-_BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
 def _zero_unless(keep: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Where(keep, values, +0) as one AND of the raw bits with 0 / all-ones: np.where branches
     per element, ten times slower on an unpredictable mask."""
-    bits = _BITS.get(values.dtype.itemsize)
+    bits = BITS.get(values.dtype.itemsize)
     if bits is None or values.dtype.kind == "c":
         return np.where(keep, values, values.dtype.type(0))
     mask = np.negative(keep.view(np.int8), dtype=bits)  # True (1) -> -1: every bit set

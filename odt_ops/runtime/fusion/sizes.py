@@ -15,8 +15,8 @@ def _divide_by_size(g: Graph) -> bool:
     changed = False
     for div in [n for n in g.nodes if n.op_type == "Div" and n.domain in STANDARD]:
         cast = g.producer(div.input[1], "CastLike")
-        size = cast and g.producer(cast.input[0], "Size")
-        if not (size and g.sole_reader(cast.output[0], "Div", 1) is div and g.sole_reader(size.output[0], "CastLike", 0) is cast):
+        size = g.producer(cast.input[0], "Size") if cast else None
+        if cast is None or size is None or not (g.sole_reader(cast.output[0], "Div", 1) is div and g.sole_reader(size.output[0], "CastLike", 0) is cast):
             continue
         fused = fused_node("DivideBySize", [div.input[0], size.input[0], cast.input[1]], div.output, f"fused/{div.name or div.output[0]}")
         changed = g.replace([size, cast, div], fused) or changed

@@ -8,8 +8,8 @@ import numpy as np
 import onnx
 
 from odt_ops.ir.attributes import node_attributes
-from odt_ops.kernels.conv import keeps_rows, row_windows, zero_wrapped
 from odt_ops.kernels.geometry import WindowGeometry
+from odt_ops.kernels.windows import keeps_rows, row_windows, zero_wrapped
 from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, fused_node, fused_op, fusion, kernel_of
 
 
@@ -20,8 +20,11 @@ def _stacked_slices(g: Graph) -> bool:
     changed = False
     for concat in [n for n in g.nodes if n.op_type == "Concat" and n.domain in STANDARD and len(n.input) > 1]:
         axis = node_attributes(concat).get("axis")
-        taps = [_tap(g, name, concat, axis) for name in concat.input]
-        if axis is None or any(t is None for t in taps) or len({t[0].input[0] for t in taps}) != 1:
+        if axis is None:
+            continue
+        found = [_tap(g, name, concat, axis) for name in concat.input]
+        taps = [t for t in found if t is not None]
+        if len(taps) < len(found) or len({t[0].input[0] for t in taps}) != 1:
             continue
         regions = [region for _, _, region in taps]
         fused = fused_node("StackedSlices", [taps[0][0].input[0]], [concat.output[0]], f"fused/{concat.name or concat.output[0]}",
@@ -74,15 +77,16 @@ def _stack_slices(attrs: dict, opset: int) -> Callable[..., tuple]:
 def _window_columns(g: Graph) -> bool:
     """StackedSlices of a zero-Padded input whose slices are a stride-1 window's taps (a Conv weight
     gradient's columns) -> one node that reads the taps from the unpadded planes, one flat offset
-    per tap (kernels/conv.py's row windows, as the forward Conv's im2col does) when the output
+    per tap (kernels/windows.py's row windows, as the forward Conv's im2col does) when the output
     rows are as long as the input's: whole-plane copies instead of a copy per short row. The
     values are the same copies and zeros."""
     changed = False
     for stack in [n for n in g.nodes if n.op_type == "StackedSlices" and n.domain == DOMAIN]:
         pad = g.producer(stack.input[0], "Pad")
+        if pad is None or g.sole_reader(pad.output[0], "StackedSlices", 0, domains=(DOMAIN,)) is not stack:
+            continue
         attrs = node_attributes(stack)
-        window = pad and g.sole_reader(pad.output[0], "StackedSlices", 0, domains=(DOMAIN,)) is stack and \
-            _stride_one_window(g, pad, attrs)
+        window = _stride_one_window(g, pad, attrs)
         if window:
             kernel, dilations, pads = window
             fused = fused_node("WindowColumns", [pad.input[0], *pad.input[1:]], stack.output, f"fused/{stack.name}",

@@ -15,10 +15,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from odt_ops.domain import canonical
 from odt_ops.errors import KernelError, ModelCheckError, OdtError, UnsupportedOpError, node_label
 from odt_ops.ir.attributes import node_attributes
-from odt_ops.ir.control_flow import all_nodes, implicit_inputs, outer_reads
-from odt_ops.ir.order import topological_order
+from odt_ops.ir.graph import all_nodes, implicit_inputs, outer_reads, topological_order
 from odt_ops.kernels.registry import lookup
 
 # (graph, opsets, constants, input names, output names, rng) -> something with .run(feeds) -> outputs
@@ -73,7 +73,7 @@ class _NodeByNode:
         available = set(self.constants) | set(self.input_names)
         self.steps = []
         for node in topological_order(graph.node, available):
-            opset = opsets.get("" if node.domain == "ai.onnx" else node.domain, 0)
+            opset = opsets.get(canonical(node.domain), 0)
             self.steps.append((bind_kernel(node, opset, rng, opsets), node_inputs(node), list(node.output)))
 
     def run(self, feeds: Sequence) -> list:
@@ -97,7 +97,7 @@ def missing_kernels(nodes: Iterable[onnx.NodeProto], opsets: Mapping[str, int]) 
     """(domain, op, opset) -> node names, for every node no kernel covers (in subgraphs too)."""
     missing: dict[tuple[str, str, int], list[str]] = {}
     for node in all_nodes(nodes):
-        domain = "" if node.domain == "ai.onnx" else node.domain
+        domain = canonical(node.domain)
         opset = opsets.get(domain, 0)
         if lookup(domain, node.op_type, opset) is None:
             missing.setdefault((domain, node.op_type, opset), []).append(node.name or node.output[0])
