@@ -22,7 +22,7 @@ def missing_node_packages() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bundle_root(tmp_path_factory) -> Path:
     """make_bundle's folder: artifacts/, samples/ and bundle/ (with the page when npm ci has run)."""
     root = tmp_path_factory.mktemp("web")

@@ -72,8 +72,7 @@ def page(site, tmp_path_factory):
         context = pw.chromium.launch_persistent_context(str(tmp_path_factory.mktemp("profile")), executable_path=str(CHROMIUM),
                                                         headless=True, args=FLAGS, accept_downloads=True)
         page = context.new_page()
-        errors = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("pageerror", lambda e: print(f"page error: {e}"))  # shown with a failing test's output
         yield page
         context.close()
 
@@ -113,9 +112,9 @@ def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, b
     page.fill("#batch", str(BATCH))
     page.fill("#lr", str(LR))
     page.click("#train")
-    page.wait_for_function("() => window.odt.lastRun !== null", timeout=60_000)
-    run = page.evaluate("() => window.odt.lastRun")
+    page.wait_for_function("() => window.odt.lastRun !== null || document.getElementById('error').textContent", timeout=60_000)
     assert page.inner_text("#error") == ""
+    run = page.evaluate("() => window.odt.lastRun")
 
     with np.load(bundle_root / "samples" / "train.npz") as data:
         x, y = data["x"].astype(np.float32), data["y"].astype(np.int64)
