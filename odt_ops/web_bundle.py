@@ -120,6 +120,16 @@ def _load_samples(name: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def _check_fits(path: Path, set_name: str, x: np.ndarray, user_inputs: list[str], inputs: dict[str, dict]) -> None:
+    """Samples are for a model of one data input, each of the shape it takes (odt-web feeds x alone)."""
+    if len(user_inputs) != 1:
+        raise WebBundleError(f"{path}: samples are bundled for a model of one data input; this one takes {user_inputs}")
+    wanted = inputs[user_inputs[0]]["shape"][1:]
+    if len(wanted) != x.ndim - 1 or any(d is not None and d != n for d, n in zip(wanted, x.shape[1:])):
+        raise WebBundleError(f"{path}: the {set_name!r} samples are {list(x.shape[1:])} each, the model's input "
+                             f"{user_inputs[0]!r} takes {wanted} (None: any size)")
+
+
 def write_web_bundle(artifact_dir: str | Path, out_dir: str | Path, *, samples: Mapping[str, str | Path] | None = None,
                      page: bool = False, web_dir: str | Path | None = None) -> dict:
     """Write ``bundle.json`` and ``bundle.bin`` for the artifacts in ``artifact_dir`` into
@@ -149,8 +159,10 @@ def write_web_bundle(artifact_dir: str | Path, out_dir: str | Path, *, samples: 
     for pname, states in (opt.states if opt else {}).items():
         tensors += [binary.tensor(pname, value, kind="state", state=sname) for sname, value in states.items()]
     sample_sets = {}
+    inputs = _input_specs(protos["training"].graph, [*train_info.user_inputs, *train_info.labels])
     for set_name, path in (samples or {}).items():
         x, y = _load_samples(set_name, Path(path))
+        _check_fits(Path(path), set_name, x, train_info.user_inputs, inputs)
         sample_sets[set_name] = {"x": binary.tensor("x", x.astype(np.float32)), "y": binary.tensor("y", y.astype(np.int64))}
 
     blob = b"".join(binary.parts)
@@ -161,7 +173,7 @@ def write_web_bundle(artifact_dir: str | Path, out_dir: str | Path, *, samples: 
         "format_version": FORMAT_VERSION,
         "binary": {"file": BINARY, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()},
         "models": models,
-        "training": {**asdict(train_info), "inputs": _input_specs(protos["training"].graph, [*train_info.user_inputs, *train_info.labels])},
+        "training": {**asdict(train_info), "inputs": inputs},
         "eval": {"user_inputs": eval_info.user_inputs, "labels": eval_info.labels, "loss": eval_info.loss,
                  "extra_outputs": eval_info.extra_outputs, "parameters": eval_info.parameters, "buffers": eval_info.buffers},
         "optimizer": {**_optimizer_roles(protos["optimizer"], paths["optimizer"], train_info.trainable),

@@ -65,6 +65,13 @@ def test_object_arrays_in_samples_are_refused_not_unpickled(bundle_root, tmp_pat
         write_web_bundle(bundle_root / "artifacts", tmp_path / "out", samples={"train": bad})
 
 
+def test_samples_of_another_shape_than_the_model_input_are_refused(bundle_root, tmp_path):
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, x=np.zeros((4, 1, 28, 28), np.float32), y=np.zeros(4, np.int64))
+    with pytest.raises(WebBundleError, match=r"wrong.npz: the 'train' samples are \[1, 28, 28\] each, the model's input 'x' takes \[1, 8, 8\]"):
+        write_web_bundle(bundle_root / "artifacts", tmp_path / "out", samples={"train": wrong})
+
+
 def test_page_without_npm_ci_names_the_fix(bundle_root, tmp_path):
     with pytest.raises(WebBundleError, match="npm ci"):
         write_web_bundle(bundle_root / "artifacts", tmp_path / "out", page=True, web_dir=tmp_path / "empty-web")

@@ -52,7 +52,7 @@ export async function fetchBundle(base = "./") {
     if (!response.ok) throw new BundleError(`${u}: ${response.status} ${response.statusText}`);
     return response;
   };
-  const manifest = await (await get(url)).json();
+  const manifest = await (await get(url)).json().catch((e) => { throw new BundleError(`${url}: not JSON (${e.message}); the bundle is damaged`); });
   const binary = new Uint8Array(await (await get(new URL(manifest?.binary?.file ?? "bundle.bin", url))).arrayBuffer());
   return { manifest, binary };
 }
@@ -64,6 +64,10 @@ export async function verifyBundle(manifest, binary) {
     throw new BundleError(`bundle format version ${manifest.format_version} is newer than odt-web reads (${BUNDLE_VERSION})`);
   }
   if (!IS_LITTLE_ENDIAN) throw new BundleError("this machine is big-endian; the bundle's tensors are little-endian");
+  for (const key of ["binary", "models", "training", "eval", "optimizer"]) {
+    if (typeof manifest[key] !== "object" || manifest[key] === null) throw new BundleError(`the manifest has no ${key} section; the bundle is damaged`);
+  }
+  if (!Array.isArray(manifest.tensors)) throw new BundleError("the manifest lists no tensors; the bundle is damaged");
   const file = manifest.binary.file;
   if (binary.byteLength !== manifest.binary.bytes) {
     throw new BundleError(`${file}: ${binary.byteLength} bytes, the manifest says ${manifest.binary.bytes}; the bundle is truncated or damaged`);
