@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from odt_ops.api import CheckpointState, Module, Optimizer
-from odt_ops.checkpoint import load_checkpoint
-from odt_ops.export import apply_diff, load_diff
+from odt_ops.checkpoint import Checkpoint, load_checkpoint
+from odt_ops.export import aggregate, apply_diff, load_diff, model_diff
 from tests.web.conftest import missing_node_packages
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -146,6 +146,12 @@ def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, b
     for name, value in browser_params.items():
         # base + (trained - base) in float32: at most a rounding of the parameter's size away
         np.testing.assert_allclose(restored.parameters[name], value, rtol=0, atol=2e-7 * max(1.0, float(np.abs(value).max())), err_msg=name)
+    # the federated server's averaging takes the browser's update beside a Python client's
+    python_diff = model_diff(load_checkpoint(bundle_root / "artifacts" / "checkpoint"), Checkpoint(
+        parameters={**restored.parameters, **params}, requires_grad=restored.requires_grad), num_examples=len(y))
+    averaged = aggregate([diff, python_diff])
+    for name in diff.deltas:
+        np.testing.assert_allclose(averaged.deltas[name], (diff.deltas[name] + python_diff.deltas[name]) / 2, rtol=1e-6, atol=1e-8)
     print(f"\nbrowser {run['msPerStep']:.2f} ms/step, odt Python {python_ms:.2f} ms/step (batch {BATCH}, {STEPS} steps)")
 
 
