@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -208,8 +207,8 @@ def copy_page(out_dir: str | Path, web_dir: str | Path | None = None) -> None:
         raise WebBundleError(f"the page's files are missing: {missing[:3]}{' ...' if len(missing) > 3 else ''}; run `npm ci` in "
                              f"{web} (it installs onnxruntime-web), or pass --no-page to write the bundle alone")
     for s, d in sources:
-        d.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(s, d)
+        with atomic_writer(d) as f:  # a server never hands out half a runtime
+            f.write(s.read_bytes())
 
 
 __all__ = ["BINARY", "FORMAT", "MANIFEST", "copy_page", "write_web_bundle"]

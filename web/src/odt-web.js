@@ -265,7 +265,7 @@ export class Trainer {
       const batch = [];
       for (let i = 0; i < batchSize; i++, next++) batch.push(indices[next % indices.length]);
       batch.forEach((j, i) => { xb.set(x.subarray(j * per, (j + 1) * per), i * per); yb[i] = Number(y[j]); });
-      const loss = await this.trainStep(xb.slice(), yb, batchSize);
+      const loss = await this.trainStep(xb, yb, batchSize); // the run copies xb into WebAssembly memory before it resolves
       await this.optimizerStep();
       this.lazyResetGrad();
       losses.push(loss);
