@@ -10,16 +10,15 @@ import importlib.util
 import re
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import Checkpoint, load_checkpoint
 from odt_ops.export import aggregate, apply_diff, load_diff, model_diff
 from tests.web.conftest import missing_node_packages
+from tests.web.oracle import PythonTrainer, samples
 
 CHROMIUM = Path("/usr/bin/chromium")
 # no network beyond loopback, no first-run or background work, a fresh profile per run (playwright's user_data_dir)
@@ -82,26 +81,9 @@ def _open(page, url: str) -> bool:
     return page.evaluate("() => window.odt.ready")
 
 
-def _python_run(artifacts: Path, x: np.ndarray, y: np.ndarray, batches: list[list[int]]):
-    """odt's Python Module and Optimizer on the browser's batches: the oracle."""
-    state = CheckpointState.load_checkpoint(artifacts / "checkpoint")
-    module = Module(artifacts / "training_model.onnx", state, artifacts / "eval_model.onnx")
-    optimizer = Optimizer(artifacts / "optimizer_model.onnx", module)
-    optimizer.set_learning_rate(LR)
-    losses, started = [], time.perf_counter()
-    for batch in batches:
-        loss, _logits = module(x[batch], y[batch])
-        losses.append(float(loss))
-        optimizer.step()
-        module.lazy_reset_grad()
-    per_step_ms = (time.perf_counter() - started) / len(batches) * 1000
-    return losses, state.checkpoint.parameters, per_step_ms, module
-
-
-def _accuracy(module, x, y) -> float:
-    module.eval()
-    _, logits = module(x, y)
-    return float(np.mean(np.asarray(logits).argmax(1) == y))
+def _percent(text: str) -> float:
+    """'87.5 % of 64' -> 87.5"""
+    return float(re.match(r"([\d.]+) %", text).group(1))
 
 
 def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, bundle_root, tmp_path):
@@ -116,11 +98,12 @@ def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, b
     assert page.inner_text("#error") == ""
     run = page.evaluate("() => window.odt.lastRun")
 
-    with np.load(bundle_root / "samples" / "train.npz") as data:
-        x, y = data["x"].astype(np.float32), data["y"].astype(np.int64)
+    x, y = samples(bundle_root, "train")
     batches = run["batches"]
     assert len(batches) == STEPS and all(len(b) == BATCH for b in batches)
-    losses, params, python_ms, module = _python_run(bundle_root / "artifacts", x, y, batches)
+    python = PythonTrainer(bundle_root / "artifacts", LR)
+    losses = python.train(x, y, batches)
+    params = python.parameters
     # the same float32 arithmetic in another order (onnxruntime's kernels vs numpy's): rounding only
     np.testing.assert_allclose(run["losses"], losses, rtol=2e-5, atol=1e-6)
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
@@ -128,13 +111,9 @@ def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, b
     for name, value in browser_params.items():
         np.testing.assert_allclose(value, params[name], rtol=1e-4, atol=1e-6, err_msg=name)
 
-    with np.load(bundle_root / "samples" / "holdout.npz") as data:
-        hx, hy = data["x"].astype(np.float32), data["y"].astype(np.int64)
-    after = page.inner_text("#after")
-    assert float(re.match(r"([\d.]+) %", after).group(1)) == pytest.approx(100 * _accuracy(module, hx, hy), abs=0.05)
-    fresh = Module(bundle_root / "artifacts" / "training_model.onnx", CheckpointState.load_checkpoint(bundle_root / "artifacts" / "checkpoint"),
-                   bundle_root / "artifacts" / "eval_model.onnx")
-    assert float(re.match(r"([\d.]+) %", before).group(1)) == pytest.approx(100 * _accuracy(fresh, hx, hy), abs=0.05)
+    hx, hy = samples(bundle_root, "holdout")
+    assert _percent(page.inner_text("#after")) == pytest.approx(100 * python.accuracy(hx, hy), abs=0.05)
+    assert _percent(before) == pytest.approx(100 * PythonTrainer(bundle_root / "artifacts").accuracy(hx, hy), abs=0.05)
 
     with page.expect_download() as download:
         page.click("#download")
@@ -152,7 +131,7 @@ def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, b
     averaged = aggregate([diff, python_diff])
     for name in diff.deltas:
         np.testing.assert_allclose(averaged.deltas[name], (diff.deltas[name] + python_diff.deltas[name]) / 2, rtol=1e-6, atol=1e-8)
-    print(f"\nbrowser {run['msPerStep']:.2f} ms/step, odt Python {python_ms:.2f} ms/step (batch {BATCH}, {STEPS} steps)")
+    print(f"\nbrowser {run['msPerStep']:.2f} ms/step, odt Python {python.ms_per_step:.2f} ms/step (batch {BATCH}, {STEPS} steps)")
 
 
 def test_tampered_bundle_is_refused_with_a_message(page, site):

@@ -258,6 +258,9 @@ export class Trainer {
   async train(x, y, { steps, batchSize = 16, seed = 0, order, onProgress } = {}) {
     const n = y.length, per = x.length / n;
     const indices = order ?? shuffled(n, seed);
+    if (!indices.length || indices.some((i) => !Number.isInteger(i) || i < 0 || i >= n)) {
+      throw new RangeError(`order must list sample indices in [0, ${n}); it has ${indices.length} entries, some outside`);
+    }
     const losses = [], batches = [];
     const xb = new Float32Array(batchSize * per), yb = new Array(batchSize);
     const started = performance.now();

@@ -118,3 +118,11 @@ test("training lowers the loss, moves only the trainable parameters, and reports
   assert.equal(result.samples, holdout.y.length);
   assert.ok(result.accuracy >= 0 && result.accuracy <= 1);
 });
+
+test("train refuses an order naming samples that do not exist", async () => {
+  const { manifest, binary } = load();
+  const trainer = await openBundle(manifest, binary);
+  const { x, y } = trainer.samples.train;
+  await assert.rejects(trainer.train(x, y, { steps: 1, batchSize: 2, order: [0, y.length] }), RangeError);
+  assert.equal(trainer.step, manifest.optimizer.step);
+});
