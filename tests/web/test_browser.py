@@ -139,3 +139,22 @@ def test_tampered_bundle_is_refused_with_a_message(page, site):
     message = page.inner_text("#error")
     assert "sha256" in message and "refusing" in message, message
     assert page.is_disabled("#train")
+
+
+def test_a_drawn_digit_becomes_an_8x8_sample_as_optdigits_counts_them(page, site):
+    """A vertical stroke: its bounding box scaled into 32x32 and counted in 4x4 blocks is ink in
+    the middle two columns of every row, values in sixteenths."""
+    assert _open(page, site)
+    box = page.locator("#pad").bounding_box()
+    page.mouse.move(box["x"] + 80, box["y"] + 20)
+    page.mouse.down()
+    page.mouse.move(box["x"] + 80, box["y"] + 140, steps=12)
+    page.mouse.up()
+    page.select_option("#label", "1")
+    page.click("#add")
+    drawn = page.evaluate("() => window.odt.samples")
+    assert drawn["y"] == [1] and page.inner_text("#count") == "1"
+    image = np.asarray(drawn["x"][0]).reshape(8, 8)
+    assert np.all(image * 16 == np.round(image * 16)) and 0 <= image.min() and image.max() <= 1
+    assert np.all(image[:, 3:5].sum(axis=1) > 0) and not image[:, :2].any() and not image[:, 6:].any()
+    assert not page.is_disabled("#train")

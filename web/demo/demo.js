@@ -7,7 +7,7 @@ import { fetchBundle, openBundle } from "./odt-web.js";
 const $ = (id) => document.getElementById(id);
 const SIDE = 8, BITMAP = 32; // optdigits: 32x32 bitmaps counted into 4x4 blocks -> 8x8 values in [0, 1]
 const user = { x: [], y: [] }; // the samples to train on, each x SIDE*SIDE floats
-const odt = (window.odt = { lastRun: null });
+const odt = (window.odt = { lastRun: null, samples: user });
 
 function fail(error) {
   $("error").textContent = String(error?.message ?? error);
@@ -34,7 +34,9 @@ function addSample(values, label) {
 
 // ---- the drawing pad -------------------------------------------------------------------
 const pad = $("pad"), pen = pad.getContext("2d");
-pen.lineWidth = 14; pen.lineCap = pen.lineJoin = "round"; pen.strokeStyle = "#fff";
+pen.lineWidth = 20; // a stroke of 4-5 pixels in the 32x32 bitmap, as optdigits' pens made
+pen.lineCap = pen.lineJoin = "round";
+pen.strokeStyle = "#fff";
 let drawing = false;
 pad.addEventListener("pointerdown", (e) => { drawing = true; pen.beginPath(); pen.moveTo(e.offsetX, e.offsetY); });
 pad.addEventListener("pointermove", (e) => { if (drawing) { pen.lineTo(e.offsetX, e.offsetY); pen.stroke(); } });
