@@ -123,6 +123,8 @@ def _check_fits(path: Path, set_name: str, x: np.ndarray, user_inputs: list[str]
     """Samples are for a model of one data input, each of the shape it takes (odt-web feeds x alone)."""
     if len(user_inputs) != 1:
         raise WebBundleError(f"{path}: samples are bundled for a model of one data input; this one takes {user_inputs}")
+    if inputs[user_inputs[0]]["dtype"] != "float32":
+        raise WebBundleError(f"{path}: samples are bundled as float32; the model's input {user_inputs[0]!r} takes {inputs[user_inputs[0]]['dtype']}")
     wanted = inputs[user_inputs[0]]["shape"][1:]
     if len(wanted) != x.ndim - 1 or any(d is not None and d != n for d, n in zip(wanted, x.shape[1:])):
         raise WebBundleError(f"{path}: the {set_name!r} samples are {list(x.shape[1:])} each, the model's input "
@@ -146,7 +148,7 @@ def write_web_bundle(artifact_dir: str | Path, out_dir: str | Path, *, samples: 
     ckpt: Checkpoint = load_checkpoint(src / "checkpoint")
     if ckpt.nominal:
         raise WebBundleError(f"{src / 'checkpoint'}: a nominal checkpoint holds no values; bundle a checkpoint with the parameters")
-    absent = [n for n in (*train_info.parameters, *train_info.buffers) if n not in ckpt.parameters and n not in ckpt.buffers]
+    absent = [n for n in train_info.parameters if n not in ckpt.parameters] + [n for n in train_info.buffers if n not in ckpt.buffers]
     if absent:
         raise WebBundleError(f"{src / 'checkpoint'}: has no values for {absent}, which the training model takes")
 
@@ -165,8 +167,9 @@ def write_web_bundle(artifact_dir: str | Path, out_dir: str | Path, *, samples: 
         sample_sets[set_name] = {"x": binary.tensor("x", x.astype(np.float32)), "y": binary.tensor("y", y.astype(np.int64))}
 
     blob = b"".join(binary.parts)
-    trainable_only = Checkpoint(parameters={n: ckpt.parameters[n] for n in train_info.parameters},
-                                requires_grad={n: n in train_info.trainable for n in train_info.parameters})
+    # the parameters as the training model trains them: odt-web's difference lists exactly these trainable ones
+    as_trained = Checkpoint(parameters={n: ckpt.parameters[n] for n in train_info.parameters},
+                            requires_grad={n: n in train_info.trainable for n in train_info.parameters})
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -179,7 +182,7 @@ def write_web_bundle(artifact_dir: str | Path, out_dir: str | Path, *, samples: 
                       "learning_rate": float(opt.learning_rate) if opt and opt.learning_rate else DEFAULT_LEARNING_RATE,
                       "step": int(opt.step) if opt else 0},
         # what odt_ops.export.apply_diff checks a difference's base against
-        "base_hash": model_diff(trainable_only, trainable_only).base_hash,
+        "base_hash": model_diff(as_trained, as_trained).base_hash,
         "tensors": tensors,
         "samples": sample_sets,
     }

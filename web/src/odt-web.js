@@ -36,12 +36,12 @@ const count = (shape) => shape.reduce((a, b) => a * b, 1);
 
 /** A typed array copied out of the binary (the binary's bytes are little-endian, as this machine's). */
 function readTensor(binary, entry, what) {
-  const Array = ARRAYS[entry.dtype];
-  if (!Array) throw new BundleError(`${what}: dtype ${entry.dtype} is not one of ${Object.keys(ARRAYS)}`);
-  if (entry.bytes !== count(entry.shape) * Array.BYTES_PER_ELEMENT || entry.offset + entry.bytes > binary.byteLength) {
+  const Typed = ARRAYS[entry.dtype];
+  if (!Typed) throw new BundleError(`${what}: dtype ${entry.dtype} is not one of ${Object.keys(ARRAYS)}`);
+  if (entry.bytes !== count(entry.shape) * Typed.BYTES_PER_ELEMENT || entry.offset + entry.bytes > binary.byteLength) {
     throw new BundleError(`${what}: its offset and size do not fit the binary; the bundle is damaged`);
   }
-  return new Array(binary.buffer.slice(binary.byteOffset + entry.offset, binary.byteOffset + entry.offset + entry.bytes));
+  return new Typed(binary.buffer.slice(binary.byteOffset + entry.offset, binary.byteOffset + entry.offset + entry.bytes));
 }
 
 /** Fetch bundle.json and the binary it names from a folder's URL (the browser's way in). */
@@ -105,6 +105,17 @@ export async function openBundle(manifest, binary, { numThreads = 1, sessionOpti
   const sessions = {};
   for (const [role, bytes] of Object.entries(models)) sessions[role] = await ort.InferenceSession.create(bytes, options);
 
+  try {
+    checkRoles(manifest, sessions);
+    return new Trainer(manifest, binary, sessions);
+  } catch (error) {
+    await Promise.all(Object.values(sessions).map((s) => s.release())); // the sessions hold WebAssembly memory
+    throw error;
+  }
+}
+
+/** The manifest's roles name only inputs and outputs the models have. */
+function checkRoles(manifest, sessions) {
   const t = manifest.training, e = manifest.eval, o = manifest.optimizer;
   const params = [...t.trainable, ...t.frozen];
   checkNames(manifest.models.training.file, [...t.user_inputs, ...t.labels, ...params, ...t.buffers], sessions.training.inputNames);
@@ -115,7 +126,6 @@ export async function openBundle(manifest, binary, { numThreads = 1, sessionOpti
   checkNames(manifest.models.optimizer.file, [o.scalar_inputs.learning_rate, o.scalar_inputs.step, ...o.parameters.flatMap((p) => [p.value, p.grad, ...Object.values(p.states)])],
     sessions.optimizer.inputNames);
   checkNames(manifest.models.optimizer.file, o.parameters.flatMap((p) => p.outputs), sessions.optimizer.outputNames);
-  return new Trainer(manifest, binary, sessions);
 }
 
 /** Train and eval steps over one opened bundle, and the model difference they made. */
