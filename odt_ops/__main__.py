@@ -1,5 +1,5 @@
-"""Command line: ``python -m odt_ops check MODEL``, ``python -m odt_ops demo`` and
-``python -m odt_ops import-ort ORT_DIR OUT_DIR``."""
+"""Command line: ``python -m odt_ops check MODEL``, ``python -m odt_ops demo``,
+``python -m odt_ops import-ort ORT_DIR OUT_DIR`` and ``python -m odt_ops export-web ARTIFACTS OUT``."""
 from __future__ import annotations
 
 import argparse
@@ -84,6 +84,26 @@ def import_ort(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_web(args: argparse.Namespace) -> int:
+    """Write the artifacts as a web bundle (and the demo page) for training in a browser."""
+    from odt_ops.web_bundle import BINARY, MANIFEST, write_web_bundle
+
+    samples = dict(s.split("=", 1) for s in args.samples or [])
+    manifest = write_web_bundle(args.artifacts, args.out, samples=samples, page=not args.no_page)
+    n = sum(1 for t in manifest["tensors"] if t["kind"] == "parameter" and t["trainable"])
+    print(f"{args.out}: {MANIFEST} + {BINARY} ({manifest['binary']['bytes']:,} bytes: 3 models, {len(manifest['tensors'])} tensors, "
+          f"{n} trainable; samples {sorted(manifest['samples']) or 'none'})")
+    if not args.no_page:
+        print(f"serve it: python -m http.server -d {args.out} 8000, then open http://127.0.0.1:8000/")
+    return 0
+
+
+def _sample_set(text: str) -> str:
+    if "=" not in text or not text.split("=", 1)[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: write NAME=PATH.npz, e.g. train=data/prepare/user_train.npz")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m odt_ops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", help="onnxruntime checkpoint file to import (default: ORT_DIR/checkpoint)")
     p.add_argument("--prefix", default="", help="file name prefix of the artifacts (generate_artifacts' prefix)")
     p.set_defaults(func=import_ort)
+    p = sub.add_parser("export-web", help="write the artifacts as a web bundle (JSON manifest + one binary) and the demo page")
+    p.add_argument("artifacts", help="folder with training_model.onnx, eval_model.onnx, optimizer_model.onnx and checkpoint")
+    p.add_argument("out", help="folder to write bundle.json, bundle.bin and the page to")
+    p.add_argument("--samples", nargs="*", type=_sample_set, metavar="NAME=NPZ",
+                   help="sample sets to bundle (.npz with x and y), e.g. train=data/prepare/user_train.npz holdout=data/prepare/user_holdout.npz")
+    p.add_argument("--no-page", action="store_true", help="the bundle alone, without the demo page and onnxruntime-web's runtime")
+    p.set_defaults(func=export_web)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -117,3 +117,7 @@ def not_found(error: type[OdtError]) -> type[OdtError]:
     """The file-not-found form of ``error`` (itself when it has none)."""
     return {ModelLoadError: ModelFileNotFoundError, CheckpointError: CheckpointFileNotFoundError,
             ModelDiffError: ModelDiffFileNotFoundError}.get(error, error)
+
+
+class WebBundleError(OdtError, ValueError):
+    """Training artifacts cannot be written as a web bundle (browser training), or the page's files are missing."""

@@ -10,6 +10,9 @@
   (odt_ops.export.model_diff: trained minus pretrained per trainable parameter, the
   base's hash, the number of examples and steps behind it), checked by applying it
   back to the base.
+- ``web/``: the web bundle (odt_ops.web_bundle: the three models and the base checkpoint's
+  tensors as a JSON manifest and one binary, with the user's train and holdout samples), what
+  odt-web trains in a browser tab.
 - ``metrics.json``: the checks' numbers and the files' sizes.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import odt_ops
 from odt_ops.api import CheckpointState, Module
 from odt_ops.checkpoint import load_checkpoint
 from odt_ops.export import apply_diff, load_diff, model_diff, save_diff
+from odt_ops.web_bundle import write_web_bundle
 from pipeline import training
 from pipeline.config import MISSING, Section
 from pipeline.errors import DataError, PipelineError
@@ -97,6 +101,9 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
         "diff.examples": n_train,
         "diff.steps": steps,
     })
+    # the same artifacts as a browser tab trains them (odt_ops.web_bundle; README "Train in a browser")
+    web = write_web_bundle(gen.directory, paths.out("export") / "web", samples={"train": paths.split("user_train"), "holdout": paths.split("user_holdout")})
+    metrics["web_bundle.bytes"] = web["binary"]["bytes"]
     write_json(paths.metrics("export"), nest(metrics))
     return metrics
 

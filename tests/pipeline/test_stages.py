@@ -294,6 +294,19 @@ def test_export_ir_version_from_config(tiny_run, tmp_path):
     assert onnx.load(paths.out("export") / "inference.onnx").ir_version == 11
 
 
+def test_export_writes_the_web_bundle_of_generates_artifacts(tiny_run):
+    """data/export/web holds generate's three model files byte for byte and the user's samples."""
+    web = tiny_run.out("export") / "web"
+    manifest = json.loads((web / "bundle.json").read_text())
+    blob = (web / "bundle.bin").read_bytes()
+    for entry in manifest["models"].values():
+        original = (tiny_run.out("generate") / entry["file"]).read_bytes()
+        assert blob[entry["offset"] : entry["offset"] + entry["bytes"]] == original and entry["sha256"] == hashlib.sha256(original).hexdigest()
+    y = load_npz(tiny_run.split("user_train"))["y"]
+    assert manifest["samples"]["train"]["y"]["shape"] == [len(y)]
+    assert json.loads((tiny_run.out("export") / "metrics.json").read_text())["web_bundle"]["bytes"] == len(blob)
+
+
 def test_cnn_and_torch_sources_run_through_every_stage(tiny_run, tmp_path):
     """Conv, MaxPool and a PyTorch export train on the device and export like the MLP."""
     for model in ("cnn", "torch"):
