@@ -115,3 +115,11 @@ def not_found(error: type[OdtError]) -> type[OdtError]:
     """The file-not-found form of ``error`` (itself when it has none)."""
     return {ModelLoadError: ModelFileNotFoundError, CheckpointError: CheckpointFileNotFoundError,
             ModelDiffError: ModelDiffFileNotFoundError}.get(error, error)
+
+
+class LoraError(OdtError, ValueError):
+    """LoRA adapters cannot be added, merged or exported as asked; names the option, glob, node or weight at fault."""
+
+
+class QuantizationError(OdtError, ValueError):
+    """A quantized (QDQ) model cannot be fine-tuned or re-quantized as asked; names the node and why."""
