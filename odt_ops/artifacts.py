@@ -36,6 +36,7 @@ from odt_ops.onnxblock import Block, base, optim
 from odt_ops.onnxblock import loss as losses
 from odt_ops.onnxblock.blocks import PassThrough
 from odt_ops.onnxblock.optim import ParamSlots
+from odt_ops.quant.training import for_training
 from odt_ops.training_models import ParameterSplit, finish, training_graphs
 
 
@@ -137,6 +138,7 @@ def generate_artifacts(
     *,
     opset: int | None = None,
     lora: LoraConfig | None = None,
+    qat: bool = False,
 ) -> dict[str, Path]:
     """Write the training artifacts for ``model``; returns the written paths by kind.
 
@@ -146,11 +148,15 @@ def generate_artifacts(
     ONNX Runtime does (or our own, 21, with a warning saying why, when the model cannot be
     expressed at it); given explicitly, a model that cannot be expressed at it is an error.
     ``lora`` (odt_ops.lora.LoraConfig) first adds LoRA adapters beside the targeted weights
-    and trains them (plus whatever ``requires_grad`` names); the base weights stay as stored."""
+    and trains them (plus whatever ``requires_grad`` names); the base weights stay as stored.
+    A QDQ model (QuantizeLinear/DequantizeLinear) trains through straight-through fake
+    quantization (odt_ops.quant.qat); ``qat=True`` also trains a float master copy of every
+    quantized weight, which odt_ops.quant.export_quantized re-quantizes."""
     _refuse_ort_only(ort_format, custom_op_library)
     raw = read_model(model)
     base_opset = raw.opset
     forward = load_model(raw)
+    forward, requires_grad = for_training(forward, qat, requires_grad)
     if lora is not None:
         forward, requires_grad = with_adapters(forward, lora, requires_grad)
     split = classify_parameters(forward, requires_grad, frozen_params)

@@ -11,8 +11,10 @@ from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.control_flow import implicit_inputs, node_reads
 from odt_ops.ir.model import Model
 
-# folding these would freeze a random draw or a training-time behaviour into a weight
-NOT_FOLDABLE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+# folding these would freeze a random draw or a training-time behaviour into a weight, or
+# (DequantizeLinear) turn a quantized weight into float memory four to eight times its size
+NOT_FOLDABLE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout",
+                          "DequantizeLinear"})
 
 
 def initializers_not_inputs(model: Model) -> bool:

@@ -22,18 +22,18 @@ from onnx import helper, numpy_helper
 
 from odt_ops.checkpoint import Checkpoint
 from odt_ops.errors import LoraError
-from odt_ops.export import export_inference_model
 from odt_ops.ir.load import read_model, save_model
 from odt_ops.ir.model import Model
 from odt_ops.ir.passes import prune_unused
 from odt_ops.lora.rewrite import Adapter, read_adapters
+from odt_ops.quant.export import inference_without_ste
 
 
 def _inference(eval_model, checkpoint: Checkpoint, path) -> tuple[onnx.ModelProto, list[Adapter]]:
+    """The inference model with the adapters (a quantized base back in its QDQ layout)."""
     source = read_model(eval_model)
     _, adapters = read_adapters(source.proto, source.source)
-    proto = export_inference_model(source, checkpoint, path)
-    return proto, adapters
+    return inference_without_ste(source, checkpoint, path), adapters
 
 
 def export_merged(eval_model, checkpoint: Checkpoint, path: str | os.PathLike) -> onnx.ModelProto:

@@ -55,8 +55,9 @@ class Adapter:
 
 
 def adapter_names(weight: str) -> tuple[str, str]:
-    """peft's naming: ``fc1.weight`` -> ``fc1.lora_A``, ``fc1.lora_B``."""
-    stem = weight[: -len(".weight")] if weight.endswith(".weight") else weight
+    """peft's naming: ``fc1.weight`` (or onnxruntime's quantized ``fc1.weight_quantized``) -> ``fc1.lora_A``, ``fc1.lora_B``."""
+    stem = weight.removesuffix("_quantized")
+    stem = stem.removesuffix(".weight")
     return f"{stem}.lora_A", f"{stem}.lora_B"
 
 

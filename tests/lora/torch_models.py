@@ -57,11 +57,12 @@ class TinyCNN(nn.Module):
         return self.fc(h.flatten(1))
 
 
-def export(module: nn.Module, example: np.ndarray) -> onnx.ModelProto:
-    """The legacy exporter without constant folding: initializers keep torch's names."""
+def export(module: nn.Module, example: np.ndarray, *, folded: bool = False) -> onnx.ModelProto:
+    """The legacy exporter; without constant folding initializers keep torch's names, with it
+    (``folded``) a Linear's weight is stored transposed, as onnxruntime.quantization quantizes it."""
     buffer = io.BytesIO()
     torch.onnx.export(module.eval(), (torch.from_numpy(example),), buffer, input_names=["x"], output_names=["logits"], opset_version=17,
-                      dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}}, do_constant_folding=False, dynamo=False)
+                      dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}}, do_constant_folding=folded, dynamo=False)
     return onnx.load_from_string(buffer.getvalue())
 
 
