@@ -191,6 +191,7 @@ def mode_memory_report(config_name: str, batch: int, modes: list[str]) -> str:
 
     from odt_ops.api import CheckpointState, Module, Optimizer
     from odt_ops.benchmark import configs as cfgs
+    from odt_ops.export import model_diff, save_diff
 
     config = cfgs.CONFIGS[config_name]
     rows = []
@@ -214,19 +215,22 @@ def mode_memory_report(config_name: str, batch: int, modes: list[str]) -> str:
             trainable = ckpt.trainable_names()
             n_train = int(sum(ckpt.parameters[n].size for n in trainable))
             n_all = int(sum(a.size for a in ckpt.parameters.values()))
-            rows.append((mode, n_train, n_all, peak))
-    full = next((peak for mode, *_, peak in rows if mode == "full"), None)
-    lines = [f"{config.name}, batch {batch}: peak allocations from loading the artifacts through two train steps (tracemalloc)",
-             f"{'mode':>6} {'trainable':>11} {'of params':>10} {'peak MiB':>9} {'vs full':>8}"]
-    for mode, n_train, n_all, peak in rows:
-        ratio = f"{peak / full:.2f}" if full else "-"
-        lines.append(f"{mode:>6} {n_train:>11} {n_train / max(n_all, 1):>10.1%} {peak / 2**20:>9.2f} {ratio:>8}")
+            save_diff(model_diff(f"{out}/checkpoint", state), Path(d) / "up.odtdiff")  # what federated learning sends up
+            rows.append((mode, n_train, n_all, peak, (Path(d) / "up.odtdiff").stat().st_size))
+    full = next((row for row in rows if row[0] == "full"), None)
+    lines = [f"{config.name}, batch {batch}: peak allocations from loading the artifacts through two train steps (tracemalloc), "
+             "and the model difference a federated round sends up",
+             f"{'mode':>6} {'trainable':>11} {'of params':>10} {'peak MiB':>9} {'vs full':>8} {'diff KiB':>9} {'vs full':>8}"]
+    for mode, n_train, n_all, peak, up in rows:
+        ratios = (f"{peak / full[3]:.2f}", f"{up / full[4]:.3f}") if full else ("-", "-")
+        lines.append(f"{mode:>6} {n_train:>11} {n_train / max(n_all, 1):>10.1%} {peak / 2**20:>9.2f} {ratios[0]:>8} {up / 1024:>9.1f} {ratios[1]:>8}")
     return "\n".join(lines)
 
 
 def _mode_artifacts(config, directory: Path, mode: str) -> Path:
     """The training artifacts of ``config`` for one mode: ``full`` trains every parameter,
-    ``lora`` trains LoRA adapters only (MEMORY_LORA) with the base frozen."""
+    ``lora`` trains LoRA adapters only (MEMORY_LORA) with the base frozen, ``qat`` is
+    quantization-aware fine-tuning of the model quantized to QDQ int8."""
     import onnx
 
     from odt_ops import artifacts
@@ -243,9 +247,33 @@ def _mode_artifacts(config, directory: Path, mode: str) -> Path:
         kwargs = {"requires_grad": names, "frozen_params": []}
     elif mode == "lora":
         kwargs = {"frozen_params": names, "lora": _memory_lora(model)}
+    elif mode == "qat":
+        forward = _quantized(config, forward, directory)
+        kwargs = {"qat": True}
     else:
-        raise SystemExit(f"--modes: unknown mode {mode!r}; known: full, lora")
+        raise SystemExit(f"--modes: unknown mode {mode!r}; known: full, lora, qat")
     artifacts.generate_artifacts(str(forward), loss=artifacts.LossType.CrossEntropyLoss, optimizer=optimizer, artifact_directory=out, **kwargs)
+    return out
+
+
+def _quantized(config, forward: Path, directory: Path) -> Path:
+    """``forward`` quantized as users do: onnxruntime.quantization.quantize_static, QDQ, per-channel int8."""
+    try:
+        from onnxruntime import quantization
+    except ImportError:
+        raise SystemExit("--modes qat quantizes the model with onnxruntime.quantization: pip install onnxruntime") from None
+
+    class Calibration(quantization.CalibrationDataReader):
+        def __init__(self):
+            rng = np.random.default_rng(1)
+            self.batches = iter([{"input": rng.standard_normal((8, *config.input_shape), dtype=np.float32)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    out = directory / "qdq.onnx"
+    quantization.quantize_static(str(forward), str(out), Calibration(), quant_format=quantization.QuantFormat.QDQ, per_channel=True,
+                                 activation_type=quantization.QuantType.QInt8, weight_type=quantization.QuantType.QInt8)
     return out
 
 
@@ -309,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--memory", type=int, nargs="+", metavar="BATCH",
                    help="instead: the train step's allocation peak against the saved activations at these batches")
-    p.add_argument("--modes", nargs="+", choices=["full", "lora"],
-                   help="with --memory: peak memory of fine-tuning in each mode (full, lora) at the first batch given")
+    p.add_argument("--modes", nargs="+", choices=["full", "lora", "qat"],
+                   help="with --memory: peak memory of fine-tuning in each mode (full, lora, qat: a QDQ model from "
+                        "onnxruntime.quantization with float master weights) at the first batch given")
     args = p.parse_args(argv)
     if any(os.environ.get(k) != v for k, v in ONE_THREAD.items()):
         # BLAS reads its thread count when numpy loads (already, via odt_ops): start again with one
