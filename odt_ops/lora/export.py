@@ -27,6 +27,7 @@ from odt_ops.ir.model import Model
 from odt_ops.ir.passes import prune_unused
 from odt_ops.lora.rewrite import Adapter, read_adapters
 from odt_ops.quant.export import inference_without_ste
+from odt_ops.quant.requantize import merge_into_quantized
 
 
 def _inference(eval_model, checkpoint: Checkpoint, path) -> tuple[onnx.ModelProto, list[Adapter]]:
@@ -45,9 +46,7 @@ def export_merged(eval_model, checkpoint: Checkpoint, path: str | os.PathLike) -
     added = {n for a in adapters for n in a.added}
     rename = {base: final for a in adapters for base, final in a.outputs}
     for a in adapters:
-        if a.dequantize is not None:
-            from odt_ops.quant.requantize import merge_into_quantized
-
+        if a.dequantize is not None:  # a quantized base: re-quantize the merged weight with its own scale
             merge_into_quantized(graph, a, a.delta(params[a.A], params[a.B]))
             continue
         weight = numpy_helper.to_array(inits[a.weight])

@@ -102,3 +102,45 @@ def test_bad_targets_are_typed_errors_naming_the_glob_or_weight(config, message,
 def test_bad_options_are_typed_errors(kwargs):
     with pytest.raises(LoraError, match="LoraConfig"):
         LoraConfig(**kwargs)
+
+
+def test_onnxblock_users_build_on_the_adapted_model(tmp_path):
+    """The onnxblock path: add_adapters gives the adapted model and the names to mark trainable;
+    the training graph it builds computes the same adapter gradients as generate_artifacts(lora=...)."""
+    from odt_ops import onnxblock
+    from odt_ops.lora import add_adapters
+
+    class Training(onnxblock.TrainingBlock):
+        def __init__(self):
+            super().__init__()
+            self.loss = onnxblock.loss.CrossEntropyLoss()
+
+        def build(self, output_name):
+            return self.loss(output_name)
+
+    x, y = data("cnn", 8)
+    base = export(make("cnn"), x[:2])
+    config = LoraConfig(rank=2, alpha=4, targets=["Conv", "Gemm"])
+    adapted, adapters = add_adapters(load_model(base), config)
+    block = Training()
+    names = [n for a in adapters for n in (a.A, a.B)]
+    for name in names:
+        block.requires_grad(name)
+    with onnxblock.base(adapted.proto):
+        block(adapted.graph.output[0].name)
+    training, _ = block.to_model_proto()
+    paths = artifacts.generate_artifacts(base, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path, lora=config)
+    state = CheckpointState.load_checkpoint(paths["checkpoint"])
+    module = Module(paths["training_model"], state, paths["eval_model"])
+    module.train()
+    module(x, y)
+    feeds = {training.graph.input[0].name: x, training.graph.input[1].name: y}
+    feeds.update({n: state.parameters[n].data for n in names})
+    feeds.update({i.name: np.zeros([d.dim_value for d in i.type.tensor_type.shape.dim], np.float32)
+                  for i in training.graph.input if i.name.endswith("_grad.accumulation.buffer")})
+    feeds.update({i.name: np.array([True]) for i in training.graph.input if i.name == "lazy_reset_grad"})
+    outs = dict(zip([o.name for o in training.graph.output], ort.InferenceSession(training.SerializeToString(),
+                                                                                    providers=["CPUExecutionProvider"]).run(None, feeds)))
+    for name in names:
+        got = next(v for k, v in outs.items() if k.startswith(name) and "grad" in k)
+        np.testing.assert_allclose(got, state.parameters[name].grad, rtol=1e-4, atol=1e-7, err_msg=name)
