@@ -52,6 +52,7 @@ def export_merged(eval_model, checkpoint: Checkpoint, path: str | os.PathLike) -
         weight = numpy_helper.to_array(inits[a.weight])
         merged = (weight.astype(np.float64) + a.delta(params[a.A], params[a.B])).astype(weight.dtype)
         inits[a.weight].CopyFrom(numpy_helper.from_array(merged, a.weight))
+    dropped = {o for n in graph.node if n.name in added for o in n.output}
     kept = [n for n in graph.node if n.name not in added]
     for node in kept:
         for i, out in enumerate(node.output):
@@ -59,7 +60,7 @@ def export_merged(eval_model, checkpoint: Checkpoint, path: str | os.PathLike) -
                 node.output[i] = rename[out]
     del graph.node[:]
     graph.node.extend(kept)
-    stale = [v for v in graph.value_info if v.name in rename or v.name.startswith(tuple(f"{n}/" for n in added))]
+    stale = [v for v in graph.value_info if v.name in rename or v.name in dropped]
     for v in stale:
         graph.value_info.remove(v)
     model = Model(proto, source=str(path))

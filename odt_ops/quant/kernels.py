@@ -11,7 +11,7 @@ from odt_ops.errors import KernelError
 from odt_ops.kernels.registry import kernel
 
 
-def _range(dtype: np.dtype) -> tuple[int, int]:
+def integer_range(dtype: np.dtype) -> tuple[int, int]:
     info = np.iinfo(dtype) if dtype.kind in "iu" else None
     if info is not None:
         return int(info.min), int(info.max)
@@ -42,7 +42,7 @@ def quantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, dt
     """saturate(round_half_even(x / scale) + zero_point) as ``dtype``."""
     s = broadcast_param(scale, x.shape, axis, block_size, "y_scale")
     zp = 0 if zero_point is None else broadcast_param(zero_point, x.shape, axis, block_size, "y_zero_point").astype(np.float32)
-    lo, hi = _range(np.dtype(dtype))
+    lo, hi = integer_range(np.dtype(dtype))
     q = np.rint(np.asarray(x, np.float32) / s.astype(np.float32)) + zp
     return np.clip(q, lo, hi).astype(dtype)
 
@@ -64,7 +64,7 @@ def quantize_linear(x, y_scale, y_zero_point=None, *, axis=1, block_size=0, outp
         dtype = helper.tensor_dtype_to_np_dtype(output_dtype)
     else:
         dtype = np.dtype(np.uint8)
-    if _range(np.dtype(dtype))[0] is None:
+    if integer_range(np.dtype(dtype))[0] is None:
         raise KernelError(f"QuantizeLinear to {np.dtype(dtype)} is not supported; odt_ops quantizes to int8, uint8, int16, uint16, int4, uint4")
     return (quantize(x, y_scale, y_zero_point, dtype, axis=axis, block_size=block_size),)
 

@@ -30,7 +30,7 @@ from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.builder import unique_name
 from odt_ops.ir.load import load_model
 from odt_ops.ir.model import Model
-from odt_ops.quant.kernels import _range, broadcast_param, dequantize
+from odt_ops.quant.kernels import broadcast_param, dequantize, integer_range
 
 METADATA_KEY = "odt.qat"
 
@@ -160,7 +160,7 @@ def _shape_of(graph, inits, value: str, master: str | None) -> tuple[int, ...] |
 
 def _bounds(scale, zp, dtype, shape, axis: int, block: int, node) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi): x rounds into [qmin, qmax] iff lo < x < hi; shaped to broadcast against x."""
-    qmin, qmax = _range(np.dtype(dtype))
+    qmin, qmax = integer_range(np.dtype(dtype))
     if qmin is None:
         raise QuantizationError(f"DequantizeLinear node {node.name!r} reads {np.dtype(dtype)}; odt_ops fine-tunes int8, uint8, int16, uint16, "
                                 "int4 and uint4 quantization")
