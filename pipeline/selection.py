@@ -97,9 +97,11 @@ def select(model: odt_ops.Model, cfg) -> Selection:
     """Resolve ``cfg`` (the ``trainable`` section) against the model's parameters."""
     candidates = artifacts.default_trainable(model)
     found = layers(model, candidates)
-    if cfg.select is Select.lora:  # the adapters are named once generate has added them
-        chosen = [c for c in candidates if any(fnmatch.fnmatchcase(c, g) for g in cfg.params)]
+    if cfg.select is Select.lora:  # the adapters are named once generate has added them; params train beside them
         _no_unmatched(cfg.params, candidates, "trainable.params")
+        _no_unmatched(cfg.frozen, candidates, "trainable.frozen")
+        chosen = [c for c in candidates if any(fnmatch.fnmatchcase(c, g) for g in cfg.params)
+                  and not any(fnmatch.fnmatchcase(c, g) for g in cfg.frozen)]
         return Selection(chosen, [c for c in candidates if c not in set(chosen)], found)
     if cfg.select is Select.all:
         chosen = list(candidates)
