@@ -138,7 +138,7 @@ def generate_artifacts(
     *,
     opset: int | None = None,
     lora: LoraConfig | None = None,
-    qat: bool = False,
+    qat: bool | str = False,
 ) -> dict[str, Path]:
     """Write the training artifacts for ``model``; returns the written paths by kind.
 
@@ -151,7 +151,8 @@ def generate_artifacts(
     and trains them (plus whatever ``requires_grad`` names); the base weights stay as stored.
     A QDQ model (QuantizeLinear/DequantizeLinear) trains through straight-through fake
     quantization (odt_ops.quant.qat); ``qat=True`` also trains a float master copy of every
-    quantized weight, which odt_ops.quant.export_quantized re-quantizes."""
+    quantized weight, which odt_ops.quant.export.export_quantized re-quantizes; ``qat="lsq"``
+    learns every scale too (LSQ's gradient)."""
     _refuse_ort_only(ort_format, custom_op_library)
     raw = read_model(model)
     base_opset = raw.opset

@@ -25,9 +25,8 @@ NOT_DIFFERENTIABLE: dict[str, str] = {
           "(odt_ops/ir/control_flow.py), never as a node",
     "Loop": "differentiated by unrolling at load when the trip count is known (odt_ops/ir/control_flow.py)",
     "Scan": "differentiated by unrolling at load over the scanned length (odt_ops/ir/control_flow.py)",
-    **dict.fromkeys(["QuantizeLinear", "DequantizeLinear"],
-                    "the quantized tensor between them is integer; generate_artifacts trains a QDQ model through them with "
-                    "the straight-through estimator, written in standard ops beside each pair (odt_ops/quant/qat.py)"),
+    "QuantizeLinear": "its output is integer; generate_artifacts trains a QDQ model through each Quantize/DequantizeLinear "
+                      "pair with the straight-through estimator, written in standard ops beside it (odt_ops/quant/qat.py)",
 }
 
 _INTEGER = "integer arithmetic: nothing in it trains"

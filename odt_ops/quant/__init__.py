@@ -4,4 +4,4 @@ model's scales and zero points, straight-through gradients zero outside the clip
 the export that re-quantizes to the QDQ layout onnxruntime runs.
 
 Import the parts from their modules (odt_ops.quant.qat, .export, .training): the kernel
-registry imports odt_ops.quant.kernels while the engine itself is still loading."""
+registry imports odt_ops.quant.quantize while the engine itself is still loading."""

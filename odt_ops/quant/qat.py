@@ -30,7 +30,7 @@ from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.builder import unique_name
 from odt_ops.ir.load import load_model
 from odt_ops.ir.model import Model
-from odt_ops.quant.kernels import broadcast_param, dequantize, integer_range
+from odt_ops.quant.quantize import broadcast_param, dequantize, integer_range
 
 METADATA_KEY = "odt.qat"
 
@@ -48,8 +48,10 @@ class Site:
     quantize: str | None = None  # the QuantizeLinear node that re-quantizes the master
 
 
-def prepare(model: Model, *, weights: bool = True, activations: bool = True) -> tuple[Model, list[Site]]:
-    """A new model with straight-through fake quantization; returns it and the sites."""
+def prepare(model: Model, *, weights: bool = True, activations: bool = True, learn_scales: bool = False) -> tuple[Model, list[Site]]:
+    """A new model with straight-through fake quantization; returns it and the sites.
+    ``learn_scales``: every scale becomes trainable, with LSQ's gradient (its name is in
+    ``learned_scales(model)``); the zero points stay fixed."""
     proto = onnx.ModelProto()
     proto.CopyFrom(model.proto)
     graph = proto.graph
@@ -58,6 +60,7 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True) -> 
     taken = {t.name for t in graph.initializer} | {n.name for n in graph.node} | {v for n in graph.node for v in (*n.input, *n.output)}
     taken |= {i.name for i in graph.input} | {o.name for o in graph.output}
     before: dict[str, list[onnx.NodeProto]] = {}
+    learned: set[str] = set()
     after: dict[str, list[onnx.NodeProto]] = {}
     sites = []
 
@@ -94,12 +97,17 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True) -> 
             source, dtype = q.input[0], (zp.dtype if zp is not None else np.dtype(np.uint8))
         else:
             continue
-        lo, hi = _bounds(scale, zp, dtype, _shape_of(graph, inits, source, master), axis, block, node)
+        shape = _shape_of(graph, inits, source, master)
+        bounds = _bounds(scale, zp, dtype, shape, axis, block, node)
         if np.dtype(scale.dtype) != np.float32:
             raise QuantizationError(f"DequantizeLinear node {node.name!r} dequantizes to {scale.dtype}; odt_ops fine-tunes float32 QDQ models")
+        lsq = None
+        if learn_scales:
+            lsq = _learned_scale(node, scale, zp, dtype, shape, axis, block, graph, fresh, before)
+            learned.add(node.input[1])
         final = node.output[0]  # its readers (and a graph output) keep reading this name, now the STE's
         node.output[0] = fresh(f"{final}/quantized")
-        nodes = _straight_through(node, source, lo, hi, graph, fresh, final)
+        nodes = _straight_through(node, source, bounds, graph, fresh, final, lsq)
         after[node.name] = nodes
         sites.append(Site(node.name, node.output[0], final, [*(n.name for n in nodes), *([quantize] if quantize else [])],
                           master, quantized, quantize))
@@ -114,8 +122,13 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True) -> 
     kept = [t for t in graph.initializer if t.name in used or t.name in {o.name for o in graph.output}]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    proto.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=json.dumps({"version": 1, "sites": [asdict(s) for s in sites]})))
-    return load_model(Model(proto, base_dir=model.base_dir, source=model.source)), sites
+    proto.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=json.dumps(
+        {"version": 1, "sites": [asdict(s) for s in sites], "learned_scales": sorted(learned)})))
+    prepared = Model(proto, base_dir=model.base_dir, source=model.source)
+    if learned:  # normalizing again would fold the (scalar) scales into the bounds before they become parameters
+        prepared.normalized, prepared.derived = True, set(model.derived)
+        return prepared, sites
+    return load_model(prepared), sites
 
 
 # every float32 is a multiple of 2**-149: scaled by 2**149 in float64 it is an integer, which
@@ -124,22 +137,90 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True) -> 
 _EXACT = 2.0 ** 149
 
 
-def _straight_through(node: onnx.NodeProto, source: str, lo: np.ndarray, hi: np.ndarray, graph, fresh, final: str) -> list:
-    """y = DequantizeLinear's output + (c - stop_gradient(c)), c = x clipped to [lo, hi]:
-    exactly the fake-quantized value forward, dy/dx = 1 inside the range and 0 outside."""
-    stem, out = node.name, node.output[0]
-    lo_name, hi_name, up_name, down_name = (fresh(f"{stem}/ste_{k}") for k in ("lo", "hi", "up", "down"))
-    graph.initializer.extend([numpy_helper.from_array(lo, lo_name), numpy_helper.from_array(hi, hi_name),
-                              numpy_helper.from_array(np.array(_EXACT), up_name), numpy_helper.from_array(np.array(1 / _EXACT), down_name)])
-    v = {k: fresh(f"{out}/{k}") for k in ("upper", "clipped", "wide", "scaled", "rounded", "back", "frozen", "zero")}
-    v["ste"] = final
-    specs = [("Min", [source, hi_name], "upper", {}), ("Max", [v["upper"], lo_name], "clipped", {}),
-             ("Cast", [v["clipped"]], "wide", {"to": onnx.TensorProto.DOUBLE}), ("Mul", [v["wide"], up_name], "scaled", {}),
-             ("Round", [v["scaled"]], "rounded", {}), ("Mul", [v["rounded"], down_name], "back", {}),
-             ("Cast", [v["back"]], "frozen", {"to": onnx.TensorProto.FLOAT}), ("Sub", [v["clipped"], v["frozen"]], "zero", {}),
-             ("Add", [out, v["zero"]], "ste", {})]
-    nodes = [helper.make_node(op, inputs, [v[key]], name=fresh(f"{stem}/ste_{key}"), **attrs) for op, inputs, key, attrs in specs]
-    return nodes
+class _Emitter:
+    """Nodes (and their constants) for one site, named after its DequantizeLinear."""
+
+    def __init__(self, graph, fresh, stem: str):
+        self.graph, self.fresh, self.stem, self.nodes = graph, fresh, stem, []
+
+    def const(self, value: np.ndarray, hint: str) -> str:
+        name = self.fresh(f"{self.stem}/ste_{hint}")
+        self.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], hint: str, output: str | None = None, **attrs) -> str:
+        out = output or self.fresh(f"{self.stem}/ste_{hint}_out")
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(f"{self.stem}/ste_{hint}"), **attrs))
+        return out
+
+    def stop_gradient(self, value: str, hint: str) -> str:
+        """``value`` itself (float32, exactly), with no gradient: see _EXACT."""
+        wide = self.op("Cast", [value], f"{hint}_wide", to=onnx.TensorProto.DOUBLE)
+        scaled = self.op("Mul", [wide, self.const(np.array(_EXACT), f"{hint}_up")], f"{hint}_scaled")
+        back = self.op("Mul", [self.op("Round", [scaled], f"{hint}_round"), self.const(np.array(1 / _EXACT), f"{hint}_down")], f"{hint}_back")
+        return self.op("Cast", [back], f"{hint}_frozen", to=onnx.TensorProto.FLOAT)
+
+
+def _straight_through(node: onnx.NodeProto, source: str, bounds, graph, fresh, final: str, lsq=None) -> list:
+    """final = DequantizeLinear's output + (c - stop_gradient(c)), c = x clipped to [lo, hi]:
+    exactly the fake-quantized value forward, dy/dx = 1 inside the range and 0 outside.
+
+    ``lsq`` = (scale as it broadcasts against x, (qmin - zp - 1/2, qmax - zp + 1/2) per channel):
+    the bounds follow the learned scale. LSQ's scale gradient (torch._fake_quantize_learnable_
+    per_*_affine's: round(x/s) - x/s inside the range, qmin - zp or qmax - zp outside) is
+    DequantizeLinear's own, q - zp (odt_ops/quant/rules/quantize.py), plus the quantizer's -x/s inside
+    the range, added by a term that is 0.0 forward: (s - stop_gradient(s)) * stop_gradient(-x/s)."""
+    e = _Emitter(graph, fresh, node.name)
+    dq = node.output[0]
+    if lsq is None:
+        lo, hi = e.const(bounds[0], "lo"), e.const(bounds[1], "hi")
+    else:
+        scale, (k_lo, k_hi) = lsq
+        frozen_scale = e.stop_gradient(scale, "scale")
+        lo, hi = e.op("Mul", [frozen_scale, e.const(k_lo, "k_lo")], "lo"), e.op("Mul", [frozen_scale, e.const(k_hi, "k_hi")], "hi")
+    clipped = e.op("Max", [e.op("Min", [source, hi], "upper"), lo], "clipped")
+    zero = e.op("Sub", [clipped, e.stop_gradient(clipped, "clip")], "zero")
+    if lsq is None:
+        e.op("Add", [dq, zero], "ste", output=final)
+        return e.nodes
+    inside = e.op("Cast", [e.op("Equal", [clipped, source], "inside_bool")], "inside", to=onnx.TensorProto.FLOAT)
+    g = e.op("Div", [e.op("Neg", [e.op("Mul", [inside, source], "x_inside")], "minus_x"), frozen_scale], "g")
+    lsq_term = e.op("Mul", [e.op("Sub", [scale, frozen_scale], "scale_zero"), e.stop_gradient(g, "g")], "lsq")
+    e.op("Add", [e.op("Add", [dq, zero], "ste_x"), lsq_term], "ste", output=final)
+    return e.nodes
+
+
+def _learned_scale(node, scale: np.ndarray, zp, dtype, shape, axis: int, block: int, graph, fresh, before) -> tuple[str, tuple]:
+    """(the scale as it broadcasts against x, LSQ's per-channel constants) for ``node``."""
+    if block:
+        raise QuantizationError(f"DequantizeLinear node {node.name!r} is blocked (block_size={block}); learned scales (LSQ) cover "
+                                "per-tensor and per-axis scales")
+    qmin, qmax = integer_range(np.dtype(dtype))
+    z = np.zeros_like(scale, dtype=np.float32) if zp is None else zp.astype(np.float32)
+    k_lo, k_hi = (qmin - z - 0.5).astype(np.float32), (qmax - z + 0.5).astype(np.float32)
+    name = node.input[1]
+    if scale.size == 1:
+        return name, (k_lo.reshape(()), k_hi.reshape(()))
+    if shape is None:
+        raise QuantizationError(f"DequantizeLinear node {node.name!r}: the rank of its input is unknown, so its per-axis scale cannot be placed")
+    placed = [1] * len(shape)
+    placed[axis if axis >= 0 else axis + len(shape)] = scale.size
+    target = fresh(f"{node.name}/ste_scale_shape")
+    graph.initializer.append(numpy_helper.from_array(np.array(placed, np.int64), target))
+    reshaped = fresh(f"{name}/placed")
+    before.setdefault(node.name, []).append(helper.make_node("Reshape", [name, target], [reshaped], name=fresh(f"{node.name}/ste_scale_place")))
+    return reshaped, (k_lo.reshape(placed), k_hi.reshape(placed))
+
+
+def _record(proto: onnx.ModelProto) -> dict:
+    entry = next((p.value for p in proto.metadata_props if p.key == METADATA_KEY), None)
+    return json.loads(entry) if entry else {}
+
+
+def learned_scales(proto: onnx.ModelProto) -> list[str]:
+    """The scales ``prepare(learn_scales=True)`` made trainable."""
+    return list(_record(proto).get("learned_scales", []))
+
 
 
 def _const(inits, name: str, node: onnx.NodeProto) -> np.ndarray:

@@ -224,3 +224,61 @@ def test_quantize_dynamic_integer_ops_are_a_typed_error_naming_the_nodes(tmp_pat
     message = str(info.value)
     integer_ops = sorted({n.op_type for n in onnx.load(str(dst)).graph.node if n.op_type.endswith("Integer")})
     assert integer_ops and all(op in message for op in integer_ops) and "QuantFormat.QDQ" in message, message
+
+
+@pytest.mark.parametrize("dtype,per_channel", [("int8", True), ("uint8", False)])
+def test_learned_scales_get_lsq_gradients_as_torch_learnable_fake_quant(dtype, per_channel, tmp_path):
+    """qat="lsq": every scale trains, with the gradient of torch._fake_quantize_learnable_per_*_affine
+    (round(x/s) - x/s inside the clip range, qmin - zp or qmax - zp outside); the zero points stay."""
+    rng = np.random.default_rng(7 + per_channel)
+    model, p = _qdq_mlp(dtype, per_channel, rng)
+    paths = artifacts.generate_artifacts(model, requires_grad=["w1"], loss=artifacts.LossType.CrossEntropyLoss,
+                                         artifact_directory=tmp_path, qat="lsq")
+    state = CheckpointState.load_checkpoint(paths["checkpoint"])
+    names = state.checkpoint.trainable_names()
+    assert {"s_a", "s_w", "w1"} <= set(names) and len(names) == 4
+    (w2,) = [n for n in names if n.startswith("w2")]
+    # off the grid (on it, round(x/s) - x/s is 0 and both sides compare rounding noise), some past the clip range
+    master = state.parameters[w2].data + rng.uniform(-0.5, 0.5, (8, 4)).astype(np.float32) * np.asarray(p["s_w"])
+    master[0, :] = (p["qmax"] + 3 - p["zp_w"].astype(np.float32)) * p["s_w"]
+    state.parameters[w2].data = master
+    module = Module(paths["training_model"], state, paths["eval_model"])
+    x, y = rng.standard_normal((16, 6)).astype(np.float32), rng.integers(0, 4, 16)
+    module.train()
+    loss = module(x, y)
+    w1, w2t = torch.tensor(p["w1"], requires_grad=True), torch.tensor(state.parameters[w2].data, requires_grad=True)
+    s_a = torch.tensor([float(p["s_a"])], requires_grad=True)
+    s_w = torch.tensor(np.atleast_1d(p["s_w"]).astype(np.float32), requires_grad=True)
+    h = torch.from_numpy(x) @ w1
+    h_fq = torch._fake_quantize_learnable_per_tensor_affine(h, s_a, torch.tensor([float(p["zp_a"])]), p["qmin"], p["qmax"], 1.0)
+    zp_w = torch.from_numpy(np.atleast_1d(p["zp_w"]).astype(np.float32))
+    w_fq = (torch._fake_quantize_learnable_per_channel_affine(w2t, s_w, zp_w, 1, p["qmin"], p["qmax"], 1.0) if per_channel
+            else torch._fake_quantize_learnable_per_tensor_affine(w2t, s_w, zp_w, p["qmin"], p["qmax"], 1.0))
+    want = torch.nn.functional.cross_entropy(h_fq @ w_fq, torch.from_numpy(y))
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    for name, t in (("s_a", s_a), ("s_w", s_w), ("w1", w1), (w2, w2t)):
+        got, want_grad = np.asarray(state.parameters[name].grad).reshape(t.grad.shape), t.grad.numpy()
+        # a scale's gradient sums (q - zp) and -x/s terms separately: float32 rounding relative to their size
+        np.testing.assert_allclose(got, want_grad, rtol=1e-3, atol=1e-4 * float(np.abs(want_grad).max()) + 1e-7, err_msg=name)
+    assert abs(float(s_a.grad)) > 0 and np.abs(s_w.grad.numpy()).min() > 0
+
+
+def test_learned_scales_are_what_the_requantized_export_uses(tmp_path):
+    rng = np.random.default_rng(11)
+    model, p = _qdq_mlp("int8", True, rng)
+    paths = artifacts.generate_artifacts(model, requires_grad=["w1"], loss=artifacts.LossType.CrossEntropyLoss,
+                                         artifact_directory=tmp_path, qat="lsq")
+    state = CheckpointState.load_checkpoint(paths["checkpoint"])
+    state.parameters["s_a"].data = np.asarray(state.parameters["s_a"].data * 1.3, np.float32)  # as if learned
+    state.parameters["s_w"].data = np.asarray(state.parameters["s_w"].data * 0.8, np.float32)
+    module = Module(paths["training_model"], state, paths["eval_model"])
+    module.eval()
+    module.export_model_for_inferencing(tmp_path / "engine.onnx")
+    x = rng.standard_normal((16, 6)).astype(np.float32)
+    engine = InferenceSession(str(tmp_path / "engine.onnx")).run(None, {"x": x})[0]
+    out = export_quantized(paths["eval_model"], state.checkpoint, tmp_path / "lsq.onnx")
+    assert sorted(n.op_type for n in out.graph.node) == sorted(n.op_type for n in model.graph.node)
+    inits = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    np.testing.assert_array_equal(inits["s_w"], state.parameters["s_w"].data)
+    np.testing.assert_allclose(_ort(tmp_path / "lsq.onnx", x), engine, rtol=1e-5, atol=1e-5)
