@@ -15,6 +15,8 @@
   (the adapter alone, onnxruntime's adapter file) with ``adapter_base.onnx`` (the base
   model whose adapter inputs default to zero), both logged to MLflow beside the model;
   onnxruntime running the base with the adapter must equal the merged model.
+- with ``trainable=qat``: ``inference.onnx`` is the re-quantized int8 QDQ model (the trained
+  master weights quantized with the model's scales), checked on onnxruntime as written.
 - ``metrics.json``: the checks' numbers and the files' sizes.
 """
 from __future__ import annotations
@@ -31,6 +33,8 @@ from odt_ops.checkpoint import load_checkpoint
 from odt_ops.export import apply_diff, load_diff, model_diff, save_diff
 from odt_ops.lora import adapter_arrays, export_adapter, export_adapter_base, export_merged
 from odt_ops.lora.rewrite import METADATA_KEY as LORA_KEY
+from odt_ops.quant.export import export_quantized
+from odt_ops.quant.qat import METADATA_KEY as QAT_KEY
 from pipeline import training
 from pipeline.config import MISSING, Section
 from pipeline.errors import DataError, PipelineError
@@ -67,9 +71,11 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     state = CheckpointState.load_checkpoint(ckpt)
     module = Module(gen.training_model, state, gen.eval_model)
     target = paths.inference_model
-    lora = _has_adapters(gen.eval_model)
+    lora, qat = _has_metadata(gen.eval_model, LORA_KEY), _has_metadata(gen.eval_model, QAT_KEY)
     if lora:
         proto = _with_ir_version(export_merged(gen.eval_model, state.checkpoint, target), target, cfg.export.ir_version)
+    elif qat:
+        proto = _with_ir_version(export_quantized(gen.eval_model, state.checkpoint, target), target, cfg.export.ir_version)
     else:
         proto = training.export_inference(module, target, cfg.export.ir_version)
 
@@ -89,7 +95,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
                                f"(export.check_atol={atol:g}); a bug in the export, please report it")
     metrics: dict = {"inference_model_bytes": target.stat().st_size, "ir_version": proto.ir_version,
                      "engine.max_abs_diff_vs_module": vs_module, "check_samples": len(x)}
-    metrics.update(_check_onnxruntime(cfg, paths, target, inp, x, ours))
+    metrics.update(_check_onnxruntime(cfg, paths, target, inp, x, ours, as_written=qat))
     if lora:
         metrics.update(_export_adapter(cfg, paths, gen, state, inp, x, ours))
 
@@ -116,7 +122,9 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     return metrics
 
 
-def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours: np.ndarray) -> dict:
+def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours: np.ndarray, *, as_written: bool = False) -> dict:
+    """``as_written``: onnxruntime runs the Quantize/DequantizeLinear nodes as the graph says (its
+    optimizer would swap in integer kernels that round differently), so the check stays exact."""
     if not cfg.export.check_onnxruntime:
         return {"onnxruntime.checked": 0}
     try:
@@ -127,6 +135,8 @@ def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours:
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
+    if as_written:
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = onnxruntime.InferenceSession(str(target), options, providers=["CPUExecutionProvider"])
     theirs = sess.run(None, {inp: x})[0]
     diff = float(np.max(np.abs(theirs - ours)))
@@ -137,10 +147,10 @@ def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours:
             "onnxruntime.argmax_agreement": float(np.mean(theirs.argmax(axis=1) == ours.argmax(axis=1)))}
 
 
-def _has_adapters(eval_model) -> bool:
+def _has_metadata(eval_model, key: str) -> bool:
     import onnx
 
-    return LORA_KEY in {p.key for p in onnx.load(str(eval_model), load_external_data=False).metadata_props}
+    return key in {p.key for p in onnx.load(str(eval_model), load_external_data=False).metadata_props}
 
 
 def _with_ir_version(proto, target, ir_version: int):

@@ -51,10 +51,13 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     output = model.graph.output[0].name
     out = paths.out("generate")
     loss, optimizer = config.build(cfg.loss), config.build(cfg.optimizer.block)
+    qat = cfg.trainable.select is selection.Select.qat
+    source_model, frozen = (_quantized(paths, model, out, chosen.trainable) if qat else (model, chosen.frozen))
     artifacts.generate_artifacts(
-        model,
+        source_model,
         requires_grad=chosen.trainable,
-        frozen_params=chosen.frozen,
+        frozen_params=frozen,
+        qat=qat,
         loss=loss,
         optimizer=optimizer,
         artifact_directory=out,
@@ -78,11 +81,29 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
         "optimizer": cfg.optimizer.block["_target_"],
         "n_trainable_params": n_trainable,
         "n_params": n_all,
+        "qat": qat,
         "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets)},
     }
     write_json(out / SUMMARY, summary)
     return {"n_trainable_params": n_trainable, "n_params": n_all, "trainable_fraction": n_trainable / max(1, n_all),
             "n_trained_layers": len(summary["trained_layers"])}
+
+
+def _quantized(paths: Paths, model, out, trainable: list[str]):
+    """trainable=qat: the pretrained model as int8 QDQ (pipeline/quantize.py), and no frozen
+    parameters: the quantized weights' master copies train, the int8 tensors, scales and zero
+    points stay constants of the graphs."""
+    from pipeline import quantize, training
+
+    split = training.load_split(paths, "global_train")
+    arrays = model.initializer_arrays()
+    input_name = next(i.name for i in model.graph.input if i.name not in arrays)
+    qdq = odt_ops.load_model(quantize.quantize_qdq(paths.pretrained_model, out / "base_qdq.onnx", split.x, input_name))
+    missing = [n for n in trainable if n not in qdq.initializer_arrays()]
+    if missing:
+        raise DataError(f"trainable.params: {missing} are quantized in the QDQ model; with trainable=qat their float master copies "
+                        "train already, name only parameters that stay float")
+    return qdq, []
 
 
 def _adapted_nodes(out, lora) -> list[str]:

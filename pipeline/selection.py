@@ -7,6 +7,10 @@
   personalization;
 - ``select: globs``: parameters matching any of ``params`` (fnmatch globs on
   initializer names, e.g. ``"*.bias"``, ``"head.*"``);
+- ``select: qat``: quantization-aware fine-tuning: generate quantizes the pretrained
+  model to int8 QDQ (pipeline/quantize.py) and trains a float master copy of every
+  quantized weight (plus any ``params`` globs still float); export writes the
+  re-quantized QDQ model;
 - ``select: lora``: LoRA adapters (``lora``: rank, alpha, dropout, targets: op types or
   globs, see odt_ops.lora.LoraConfig) beside the targeted weights; the adapters train,
   plus any ``params`` globs (peft's ``modules_to_save``), and every base weight is frozen.
@@ -34,6 +38,7 @@ class Select(Enum):
     all = "all"
     globs = "globs"
     lora = "lora"
+    qat = "qat"
 
 
 @dataclass
@@ -97,7 +102,7 @@ def select(model: odt_ops.Model, cfg) -> Selection:
     """Resolve ``cfg`` (the ``trainable`` section) against the model's parameters."""
     candidates = artifacts.default_trainable(model)
     found = layers(model, candidates)
-    if cfg.select is Select.lora:  # the adapters are named once generate has added them; params train beside them
+    if cfg.select in (Select.lora, Select.qat):  # adapters and master weights are named once generate has made them
         _no_unmatched(cfg.params, candidates, "trainable.params")
         _no_unmatched(cfg.frozen, candidates, "trainable.frozen")
         chosen = [c for c in candidates if any(fnmatch.fnmatchcase(c, g) for g in cfg.params)

@@ -57,3 +57,18 @@ def test_lora_bad_target_names_the_glob(tiny_run, tmp_path):
         load_cfg(*LORA, "trainable.lora.rank=0")
     with pytest.raises(ConfigError, match="trainable.lora"):
         load_cfg(*TINY_RUN, "trainable.select=lora")
+
+
+def test_qat_stages_quantize_train_master_weights_and_export_qdq(tiny_run, tmp_path):
+    paths = copy_outputs(tiny_run, tmp_path, stages=("prepare", "convert", "pretrain"))
+    cfg = load_cfg(*TINY_RUN, "trainable=qat")
+    metrics = run_stages(cfg, paths, ("generate", "train", "evaluate", "export"))
+    summary = json.loads((paths.out("generate") / "artifacts.json").read_text())
+    assert summary["qat"] and sorted(summary["trainable"]) == ["fc1.weight", "head.weight"]  # float masters of the int8 weights
+    exported = onnx.load(str(paths.inference_model))
+    ops = [n.op_type for n in exported.graph.node]
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    int8 = {t.name for t in exported.graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    assert {"fc1.weight_quantized", "head.weight_quantized"} <= int8
+    assert metrics["export"]["onnxruntime.checked"] == 1 and metrics["export"]["onnxruntime.max_abs_diff"] <= cfg.export.check_atol
+    assert metrics["train"]["last_epoch_loss"] < metrics["train"]["first_epoch_loss"]
