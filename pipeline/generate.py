@@ -75,7 +75,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
         "output": output,
         "trainable": trainable,
         "frozen": chosen.frozen,
-        "trained_layers": chosen.trained_layers() + _adapted_nodes(out, lora),
+        "trained_layers": chosen.trained_layers() + _adapted_nodes(out, lora) + (_requantized_nodes(out) if qat else []),
         "layers": [name for name, _ in chosen.layers],
         "loss": cfg.loss["_target_"],
         "optimizer": cfg.optimizer.block["_target_"],
@@ -104,6 +104,15 @@ def _quantized(paths: Paths, model, out, trainable: list[str]):
         raise DataError(f"trainable.params: {missing} are quantized in the QDQ model; with trainable=qat their float master copies "
                         "train already, name only parameters that stay float")
     return qdq, []
+
+
+def _requantized_nodes(out) -> list[str]:
+    """trainable=qat: the DequantizeLinear nodes whose weights train (as their master copies)."""
+    import onnx
+
+    from odt_ops.quant.qat import read_sites
+
+    return [s.dequantize for s in read_sites(onnx.load(str(out / "eval_model.onnx"))) if s.master]
 
 
 def _adapted_nodes(out, lora) -> list[str]:

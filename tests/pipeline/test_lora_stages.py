@@ -65,6 +65,7 @@ def test_qat_stages_quantize_train_master_weights_and_export_qdq(tiny_run, tmp_p
     metrics = run_stages(cfg, paths, ("generate", "train", "evaluate", "export"))
     summary = json.loads((paths.out("generate") / "artifacts.json").read_text())
     assert summary["qat"] and sorted(summary["trainable"]) == ["fc1.weight", "head.weight"]  # float masters of the int8 weights
+    assert metrics["generate"]["n_trained_layers"] == 2
     exported = onnx.load(str(paths.inference_model))
     ops = [n.op_type for n in exported.graph.node]
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
