@@ -31,10 +31,12 @@ from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.load import ModelSource, load_model, read_model, save_model
 from odt_ops.ir.lowering import lower_opset
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model
+from odt_ops.lora import LoraConfig, with_adapters
 from odt_ops.onnxblock import Block, base, optim
 from odt_ops.onnxblock import loss as losses
 from odt_ops.onnxblock.blocks import PassThrough
 from odt_ops.onnxblock.optim import ParamSlots
+from odt_ops.quant.training import for_training
 from odt_ops.training_models import ParameterSplit, finish, training_graphs
 
 
@@ -135,6 +137,8 @@ def generate_artifacts(
     loss_input_names: Sequence[str] | None = None,
     *,
     opset: int | None = None,
+    lora: LoraConfig | None = None,
+    qat: bool | str = False,
 ) -> dict[str, Path]:
     """Write the training artifacts for ``model``; returns the written paths by kind.
 
@@ -142,11 +146,20 @@ def generate_artifacts(
     exist so ported calls run; only their defaults can be honoured (see _refuse_ort_only).
     ``opset`` is the opset the artifacts are written at: by default the base model's, as
     ONNX Runtime does (or our own, 21, with a warning saying why, when the model cannot be
-    expressed at it); given explicitly, a model that cannot be expressed at it is an error."""
+    expressed at it); given explicitly, a model that cannot be expressed at it is an error.
+    ``lora`` (odt_ops.lora.LoraConfig) first adds LoRA adapters beside the targeted weights
+    and trains them (plus whatever ``requires_grad`` names); the base weights stay as stored.
+    A QDQ model (QuantizeLinear/DequantizeLinear) trains through straight-through fake
+    quantization (odt_ops.quant.qat); ``qat=True`` also trains a float master copy of every
+    quantized weight, which odt_ops.quant.export.export_quantized re-quantizes; ``qat="lsq"``
+    learns every scale too (LSQ's gradient)."""
     _refuse_ort_only(ort_format, custom_op_library)
     raw = read_model(model)
     base_opset = raw.opset
     forward = load_model(raw)
+    forward, requires_grad = for_training(forward, qat, requires_grad)
+    if lora is not None:
+        forward, requires_grad = with_adapters(forward, lora, requires_grad)
     split = classify_parameters(forward, requires_grad, frozen_params)
     missing = missing_gradients(forward, split.trainable)
     if missing:  # every node at once, before anything is built

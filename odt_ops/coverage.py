@@ -25,19 +25,20 @@ NOT_DIFFERENTIABLE: dict[str, str] = {
           "(odt_ops/ir/control_flow.py), never as a node",
     "Loop": "differentiated by unrolling at load when the trip count is known (odt_ops/ir/control_flow.py)",
     "Scan": "differentiated by unrolling at load over the scanned length (odt_ops/ir/control_flow.py)",
+    "QuantizeLinear": "its output is integer; generate_artifacts trains a QDQ model through each Quantize/DequantizeLinear "
+                      "pair with the straight-through estimator, written in standard ops beside it (odt_ops/quant/qat.py)",
 }
 
 _INTEGER = "integer arithmetic: nothing in it trains"
-_QUANTIZED = ("quantized integer arithmetic; quantization-aware training through Quantize/DequantizeLinear pairs "
-              "(straight-through estimator) is not implemented")
+_QUANTIZED = ("quantized integer arithmetic (onnxruntime's QOperator format); quantize to the QDQ format "
+              "(QuantizeLinear/DequantizeLinear pairs, quant_format=QuantFormat.QDQ), which fine-tunes")
 _SEQUENCE = "tensor sequences and optionals are not values the engine carries (tensors only)"
 _STRING = "string processing: no tensor to train"
 _RANDOM = "a random draw inside the model; the engine's one seeded generator serves Dropout only"
 
 NOT_SUPPORTED: dict[str, str] = {
     **dict.fromkeys(["BitCast", "BitShift", "BitwiseAnd", "BitwiseNot", "BitwiseOr", "BitwiseXor"], _INTEGER),
-    **dict.fromkeys(["ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul", "QuantizeLinear",
-                     "DequantizeLinear"], _QUANTIZED),
+    **dict.fromkeys(["ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul"], _QUANTIZED),
     **dict.fromkeys(["ConcatFromSequence", "SequenceAt", "SequenceConstruct", "SequenceEmpty", "SequenceErase",
                      "SequenceInsert", "SequenceLength", "SplitToSequence", "Optional", "OptionalGetElement",
                      "OptionalHasElement"], _SEQUENCE),

@@ -121,3 +121,11 @@ def not_found(error: type[OdtError]) -> type[OdtError]:
 
 class WebBundleError(OdtError, ValueError):
     """Training artifacts cannot be written as a web bundle (browser training), or the page's files are missing."""
+
+
+class LoraError(OdtError, ValueError):
+    """LoRA adapters cannot be added, merged or exported as asked; names the option, glob, node or weight at fault."""
+
+
+class QuantizationError(OdtError, ValueError):
+    """A quantized (QDQ) model cannot be fine-tuned or re-quantized as asked; names the node and why."""

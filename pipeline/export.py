@@ -13,6 +13,13 @@
 - ``web/``: the web bundle (odt_ops.web_bundle: the three models and the base checkpoint's
   tensors as a JSON manifest and one binary, with the user's train and holdout samples), what
   odt-web trains in a browser tab.
+- with ``trainable=lora``: ``inference.onnx`` is the merged model (every adapter folded
+  into its weight: the base graph, new weights), and beside it ``adapter.onnx_adapter``
+  (the adapter alone, onnxruntime's adapter file) with ``adapter_base.onnx`` (the base
+  model whose adapter inputs default to zero), both logged to MLflow beside the model;
+  onnxruntime running the base with the adapter must equal the merged model.
+- with ``trainable=qat``: ``inference.onnx`` is the re-quantized int8 QDQ model (the trained
+  master weights quantized with the model's scales), checked on onnxruntime as written.
 - ``metrics.json``: the checks' numbers and the files' sizes.
 """
 from __future__ import annotations
@@ -27,6 +34,10 @@ import odt_ops
 from odt_ops.api import CheckpointState, Module
 from odt_ops.checkpoint import load_checkpoint
 from odt_ops.export import apply_diff, load_diff, model_diff, save_diff
+from odt_ops.lora import adapter_arrays, export_adapter, export_adapter_base, export_merged
+from odt_ops.lora.rewrite import METADATA_KEY as LORA_KEY
+from odt_ops.quant.export import export_quantized
+from odt_ops.quant.qat import METADATA_KEY as QAT_KEY
 from odt_ops.web_bundle import write_web_bundle
 from pipeline import training
 from pipeline.config import MISSING, Section
@@ -48,6 +59,8 @@ class ExportConfig(Section):
 
 
 CONFIG = {"export": ExportConfig}
+ADAPTER_FILE = "adapter.onnx_adapter"  # trainable=lora: the user's adapter, onnxruntime's adapter file
+ADAPTER_BASE = "adapter_base.onnx"  # the base model it plugs into (adapter inputs default to zero)
 
 
 class ExportCheckError(PipelineError):
@@ -62,7 +75,13 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     state = CheckpointState.load_checkpoint(ckpt)
     module = Module(gen.training_model, state, gen.eval_model)
     target = paths.inference_model
-    proto = training.export_inference(module, target, cfg.export.ir_version)
+    lora, qat = _has_metadata(gen.eval_model, LORA_KEY), _has_metadata(gen.eval_model, QAT_KEY)
+    if lora:
+        proto = _with_ir_version(export_merged(gen.eval_model, state.checkpoint, target), target, cfg.export.ir_version)
+    elif qat:
+        proto = _with_ir_version(export_quantized(gen.eval_model, state.checkpoint, target), target, cfg.export.ir_version)
+    else:
+        proto = training.export_inference(module, target, cfg.export.ir_version)
 
     splits = [training.load_split(paths, name) for name in ("user_holdout", "global_test")]
     x = np.concatenate([s.x for s in splits])
@@ -80,7 +99,9 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
                                f"(export.check_atol={atol:g}); a bug in the export, please report it")
     metrics: dict = {"inference_model_bytes": target.stat().st_size, "ir_version": proto.ir_version,
                      "engine.max_abs_diff_vs_module": vs_module, "check_samples": len(x)}
-    metrics.update(_check_onnxruntime(cfg, paths, target, inp, x, ours))
+    metrics.update(_check_onnxruntime(cfg, paths, target, inp, x, ours, as_written=qat))
+    if lora:
+        metrics.update(_export_adapter(cfg, paths, gen, state, inp, x, ours))
 
     n_train = len(training.load_split(paths, "user_train"))
     steps = int(state.properties.get(training.TOTAL_STEPS, 0))
@@ -108,7 +129,9 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     return metrics
 
 
-def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours: np.ndarray) -> dict:
+def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours: np.ndarray, *, as_written: bool = False) -> dict:
+    """``as_written``: onnxruntime runs the Quantize/DequantizeLinear nodes as the graph says (its
+    optimizer would swap in integer kernels that round differently), so the check stays exact."""
     if not cfg.export.check_onnxruntime:
         return {"onnxruntime.checked": 0}
     try:
@@ -119,6 +142,8 @@ def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours:
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
+    if as_written:
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = onnxruntime.InferenceSession(str(target), options, providers=["CPUExecutionProvider"])
     theirs = sess.run(None, {inp: x})[0]
     diff = float(np.max(np.abs(theirs - ours)))
@@ -129,12 +154,61 @@ def _check_onnxruntime(cfg, paths: Paths, target, inp: str, x: np.ndarray, ours:
             "onnxruntime.argmax_agreement": float(np.mean(theirs.argmax(axis=1) == ours.argmax(axis=1)))}
 
 
+def _has_metadata(eval_model, key: str) -> bool:
+    import onnx
+
+    return key in {p.key for p in onnx.load(str(eval_model), load_external_data=False).metadata_props}
+
+
+def _with_ir_version(proto, target, ir_version: int):
+    import onnx
+
+    from pipeline.io import atomic_write_bytes
+
+    if proto.ir_version != ir_version:
+        proto.ir_version = ir_version
+        onnx.checker.check_model(proto, full_check=True)
+        atomic_write_bytes(target, proto.SerializeToString())
+    return proto
+
+
+def _export_adapter(cfg, paths: Paths, gen, state, inp: str, x: np.ndarray, merged: np.ndarray) -> dict:
+    """The adapter alone (onnxruntime's adapter file) and the base model it plugs into; on
+    onnxruntime the base with the adapter must compute what the merged model computes."""
+    base, adapter = paths.out("export") / ADAPTER_BASE, paths.out("export") / ADAPTER_FILE
+    _with_ir_version(export_adapter_base(gen.eval_model, state.checkpoint, base), base, cfg.export.ir_version)
+    export_adapter(gen.eval_model, state.checkpoint, adapter)
+    metrics = {"adapter.bytes": adapter.stat().st_size, "adapter.base_bytes": base.stat().st_size,
+               "adapter.parameters": int(sum(a.size for a in adapter_arrays(gen.eval_model, state.checkpoint).values()))}
+    if not cfg.export.check_onnxruntime:
+        return metrics
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    session = onnxruntime.InferenceSession(str(base), options, providers=["CPUExecutionProvider"])
+    loaded = onnxruntime.LoraAdapter()
+    loaded.Load(str(adapter))
+    run_options = onnxruntime.RunOptions()
+    run_options.add_active_adapter(loaded)
+    theirs = session.run(None, {inp: x}, run_options)[0]
+    diff = float(np.max(np.abs(theirs - merged)))
+    if diff > cfg.export.check_atol:
+        raise ExportCheckError(f"{paths.show(adapter)}: onnxruntime running {paths.show(base)} with this adapter is {diff:.3g} away "
+                               f"from the merged model (export.check_atol={cfg.export.check_atol:g}); please report it")
+    return {**metrics, "adapter.onnxruntime_max_abs_diff": diff}
+
+
 def after(cfg, paths: Paths, tracker) -> None:
     """The inference model as an MLflow model (onnx flavor, signature from an input example
     of the user's holdout), and params.yaml and dvc.lock (as DVC has written it so far:
     every stage before this one) on the pipeline run and this one."""
     example = training.load_split(paths, "user_holdout").x[:2]
     tracker.log_onnx_model(paths.inference_model, example)
+    for name in (ADAPTER_FILE, ADAPTER_BASE):  # trainable=lora: the adapter and its base, beside the model
+        if (paths.out("export") / name).is_file():
+            tracker.log_artifact(paths.out("export") / name, "lora")
     for name in ("params.yaml", "dvc.lock"):
         path = paths.root / name
         if path.is_file():

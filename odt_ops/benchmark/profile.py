@@ -1,5 +1,6 @@
 """Where odt's train step spends its time: ``python -m odt_ops.benchmark.profile --config mlp-adamw --batch 64``;
-and how its memory grows with the batch: ``... --config cnn-adamw --memory 8 32 128``.
+and how its memory grows with the batch: ``... --config cnn-adamw --memory 8 32 128``; and what
+fine-tuning costs in memory by mode: ``... --config transformer-adamw --memory 32 --modes full lora``.
 
 In one process (single-threaded BLAS, set before numpy loads): the step split into
 Module call (forward + backward plan), Optimizer.step and lazy_reset_grad; the time of
@@ -176,6 +177,118 @@ def memory_report(config_name: str, batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+# LoRA as the memory comparison runs it: rank 4 beside every MatMul, Gemm and Conv weight whose
+# shape allows rank 4 (a grouped or too-small Conv is left out by op-type selection or by the rank check)
+MEMORY_LORA = {"rank": 4, "alpha": 8.0}
+
+
+def mode_memory_report(config_name: str, batch: int, modes: list[str]) -> str:
+    """Per fine-tuning mode, one process's view of a device doing it: from loading the
+    checkpoint and the artifacts (parameters, gradients, optimizer state, the compiled plans)
+    through two train steps, the peak of the engine's allocations (tracemalloc: numpy reports
+    its buffers), and the trainable parameters with their optimizer state."""
+    import tracemalloc
+
+    from odt_ops.api import CheckpointState, Module, Optimizer
+    from odt_ops.benchmark import configs as cfgs
+    from odt_ops.export import model_diff, save_diff
+
+    config = cfgs.CONFIGS[config_name]
+    rows = []
+    for mode in modes:
+        with tempfile.TemporaryDirectory() as d:
+            out = _mode_artifacts(config, Path(d), mode)
+            rng = np.random.default_rng(0)
+            x = rng.standard_normal((batch, *config.input_shape), dtype=np.float32)
+            y = rng.integers(0, config.classes, batch, dtype=np.int64)
+            tracemalloc.start()
+            state = CheckpointState.load_checkpoint(f"{out}/checkpoint")
+            module = Module(f"{out}/training_model.onnx", state, f"{out}/eval_model.onnx")
+            optimizer = Optimizer(f"{out}/optimizer_model.onnx", module)
+            optimizer.set_learning_rate(config.lr)
+            step = _train_step(module, optimizer, x, y)
+            step()
+            step()
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            ckpt = state.checkpoint
+            trainable = ckpt.trainable_names()
+            n_train = int(sum(ckpt.parameters[n].size for n in trainable))
+            n_all = int(sum(a.size for a in ckpt.parameters.values()))
+            save_diff(model_diff(f"{out}/checkpoint", state), Path(d) / "up.odtdiff")  # what federated learning sends up
+            rows.append((mode, n_train, n_all, peak, (Path(d) / "up.odtdiff").stat().st_size))
+    full = next((row for row in rows if row[0] == "full"), None)
+    lines = [f"{config.name}, batch {batch}: peak allocations from loading the artifacts through two train steps (tracemalloc), "
+             "and the model difference a federated round sends up",
+             f"{'mode':>6} {'trainable':>11} {'of params':>10} {'peak MiB':>9} {'vs full':>8} {'diff KiB':>9} {'vs full':>8}"]
+    for mode, n_train, n_all, peak, up in rows:
+        ratios = (f"{peak / full[3]:.2f}", f"{up / full[4]:.3f}") if full else ("-", "-")
+        lines.append(f"{mode:>6} {n_train:>11} {n_train / max(n_all, 1):>10.1%} {peak / 2**20:>9.2f} {ratios[0]:>8} {up / 1024:>9.1f} {ratios[1]:>8}")
+    return "\n".join(lines)
+
+
+def _mode_artifacts(config, directory: Path, mode: str) -> Path:
+    """The training artifacts of ``config`` for one mode: ``full`` trains every parameter,
+    ``lora`` trains LoRA adapters only (MEMORY_LORA) with the base frozen, ``qat`` is
+    quantization-aware fine-tuning of the model quantized to QDQ int8."""
+    import onnx
+
+    from odt_ops import artifacts
+    from odt_ops.benchmark import configs as cfgs
+
+    model = cfgs.forward_model(config)
+    forward = directory / "forward.onnx"
+    onnx.save(model, forward)
+    out = directory / mode
+    out.mkdir()
+    names = cfgs.parameter_names(config, model)
+    optimizer = {"AdamW": artifacts.OptimType.AdamW, "SGD": artifacts.OptimType.SGD}[config.optimizer]
+    if mode == "full":
+        kwargs = {"requires_grad": names, "frozen_params": []}
+    elif mode == "lora":
+        kwargs = {"frozen_params": names, "lora": _memory_lora(model)}
+    elif mode == "qat":
+        forward = _quantized(config, forward, directory)
+        kwargs = {"qat": True}
+    else:
+        raise SystemExit(f"--modes: unknown mode {mode!r}; known: full, lora, qat")
+    artifacts.generate_artifacts(str(forward), loss=artifacts.LossType.CrossEntropyLoss, optimizer=optimizer, artifact_directory=out, **kwargs)
+    return out
+
+
+def _quantized(config, forward: Path, directory: Path) -> Path:
+    """``forward`` quantized as users do: onnxruntime.quantization.quantize_static, QDQ, per-channel int8."""
+    try:
+        from onnxruntime import quantization
+    except ImportError:
+        raise SystemExit("--modes qat quantizes the model with onnxruntime.quantization: pip install onnxruntime") from None
+
+    class Calibration(quantization.CalibrationDataReader):
+        def __init__(self):
+            rng = np.random.default_rng(1)
+            self.batches = iter([{"input": rng.standard_normal((8, *config.input_shape), dtype=np.float32)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    out = directory / "qdq.onnx"
+    quantization.quantize_static(str(forward), str(out), Calibration(), quant_format=quantization.QuantFormat.QDQ, per_channel=True,
+                                 activation_type=quantization.QuantType.QInt8, weight_type=quantization.QuantType.QInt8)
+    return out
+
+
+def _memory_lora(model):
+    """MEMORY_LORA's targets: every adaptable weight whose shape allows its rank."""
+    from odt_ops import load_model
+    from odt_ops.lora import LoraConfig
+    from odt_ops.lora.targets import find_candidates
+
+    rank = MEMORY_LORA["rank"]
+    fits = [t.weight for t in find_candidates(load_model(model).graph).values()
+            if t.reason is None and min(t.in_features * int(np.prod(t.kernel, dtype=np.int64)), t.out_features) >= rank]
+    return LoraConfig(rank=rank, alpha=MEMORY_LORA["alpha"], targets=fits)
+
+
 def _saved_activation_bytes(plan, data: dict, run) -> int:
     """Bytes of the values the gradient nodes read that the forward pass made or the user fed
     (``data``: the batch's inputs and labels), in one run of ``plan``."""
@@ -224,12 +337,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--memory", type=int, nargs="+", metavar="BATCH",
                    help="instead: the train step's allocation peak against the saved activations at these batches")
+    p.add_argument("--modes", nargs="+", choices=["full", "lora", "qat"],
+                   help="with --memory: peak memory of fine-tuning in each mode (full, lora, qat: a QDQ model from "
+                        "onnxruntime.quantization with float master weights) at the first batch given")
     args = p.parse_args(argv)
     if any(os.environ.get(k) != v for k, v in ONE_THREAD.items()):
         # BLAS reads its thread count when numpy loads (already, via odt_ops): start again with one
         argv = sys.argv[1:] if argv is None else argv
         os.execve(sys.executable, [sys.executable, "-m", "odt_ops.benchmark.profile", *argv], {**os.environ, **ONE_THREAD})
-    print(memory_report(args.config, args.memory) if args.memory else profile(args.config, args.batch, args.steps, args.top))
+    if args.modes and not args.memory:
+        p.error("--modes needs --memory BATCH")
+    if args.modes:
+        print(mode_memory_report(args.config, args.memory[0], args.modes))
+    else:
+        print(memory_report(args.config, args.memory) if args.memory else profile(args.config, args.batch, args.steps, args.top))
     return 0
 
 

@@ -14,8 +14,10 @@ from odt_ops.ir.binding import bind_kernel, missing_kernels
 from odt_ops.ir.graph import implicit_inputs, node_reads
 from odt_ops.ir.model import Model
 
-# folding these would freeze a random draw or a training-time behaviour into a weight
-NOT_FOLDABLE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+# folding these would freeze a random draw or a training-time behaviour into a weight, or
+# (DequantizeLinear) turn a quantized weight into float memory four to eight times its size
+NOT_FOLDABLE = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout",
+                          "DequantizeLinear"})
 
 
 def initializers_not_inputs(model: Model) -> bool:

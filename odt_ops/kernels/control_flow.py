@@ -2,7 +2,7 @@
 
 A subgraph reads outer-scope values by name. The plan feeds a control-flow kernel those
 values after the node's own inputs, in the order of ``implicit_inputs(node)``
-(odt_ops/ir/control_flow.py), and binds ``_scope`` (kernels/binding.py): the names of
+(odt_ops/ir/control_flow.py), and binds ``_scope`` (ir/binding.py): the names of
 those values, the model's opsets, the session's generator and the compiler the runtime
 hands down (its ``Plan``). Each subgraph is compiled once per bound node into a nested plan
 whose feeds are the subgraph's formal inputs followed by the outer values it reads; the

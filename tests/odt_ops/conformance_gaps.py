@@ -21,7 +21,13 @@ _SEQUENCES = (
     "sequences (SequenceConstruct, SequenceInsert) or optionals (Optional, OptionalHasElement), ops it has no kernel for"
 )
 
+_QUANTIZE_EXOTIC = (
+    "QuantizeLinear to float8, float4 or 2-bit integers: odt_ops quantizes to the integer types QDQ models use "
+    "(int8, uint8, int16, uint16, int4, uint4) and says so by name for any other"
+)
+
 KNOWN_GAPS: dict[str, str] = {
+    **{f"test_quantizelinear_{t}": _QUANTIZE_EXOTIC for t in ("e4m3fn", "e5m2", "float4e2m1", "int2", "uint2")},
     **{f"test_attention_{case}_expanded": _HALF_ATTENTION for case in (
         "4d_causal_bf16", "4d_causal_fp16", "4d_padded_kv_bf16", "4d_causal_padded_kv_bf16", "4d_attn_mask_causal_bf16",
         "3d_causal_bf16")},

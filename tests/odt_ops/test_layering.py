@@ -1,5 +1,5 @@
 """The engine's packages import downwards only: neither ir/ (loading and graph passes) nor
-kernels/ imports runtime/ (plans); both bind kernels through kernels/binding.py, and the
+kernels/ imports runtime/ (plans); both bind kernels through ir/binding.py, and the
 runtime hands control-flow kernels its Plan as their subgraph compiler."""
 from __future__ import annotations
 
