@@ -30,7 +30,7 @@ from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.builder import unique_name
 from odt_ops.ir.load import load_model
 from odt_ops.ir.model import Model
-from odt_ops.quant.quantize import broadcast_param, dequantize, integer_range
+from odt_ops.kernels.quantize import broadcast_param, dequantize, integer_range
 
 METADATA_KEY = "odt.qat"
 
@@ -168,7 +168,7 @@ def _straight_through(node: onnx.NodeProto, source: str, bounds, graph, fresh, f
     ``lsq`` = (scale as it broadcasts against x, (qmin - zp - 1/2, qmax - zp + 1/2) per channel):
     the bounds follow the learned scale. LSQ's scale gradient (torch._fake_quantize_learnable_
     per_*_affine's: round(x/s) - x/s inside the range, qmin - zp or qmax - zp outside) is
-    DequantizeLinear's own, q - zp (odt_ops/quant/rules/quantize.py), plus the quantizer's -x/s inside
+    DequantizeLinear's own, q - zp (odt_ops/grad/rules/quantize.py), plus the quantizer's -x/s inside
     the range, added by a term that is 0.0 forward: (s - stop_gradient(s)) * stop_gradient(-x/s)."""
     e = _Emitter(graph, fresh, node.name)
     dq = node.output[0]

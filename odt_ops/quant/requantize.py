@@ -9,8 +9,8 @@ from onnx import numpy_helper
 
 from odt_ops.errors import QuantizationError
 from odt_ops.ir.attributes import node_attributes
+from odt_ops.kernels.quantize import dequantize, quantize
 from odt_ops.quant.qat import Site
-from odt_ops.quant.quantize import dequantize, quantize
 
 
 def _dq_parameters(graph: onnx.GraphProto, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray | None, int, int]:

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from odt_ops.grad.registry import gradient
+from odt_ops.grad.rules.cast import onnx_type
 
 # ----- arithmetic (numpy broadcasting: the walker unbroadcasts) -----
 
@@ -67,14 +68,14 @@ def pow_grad(ctx, dY):
             power = A if e == 2 else b.Pow(A, ctx.const(e - 1, like=A))
             dA = b.Mul(dY, b.Mul(power, ctx.const(e, like=A)))
         else:
-            Bx = B if ctx.dtype(B) == ctx.dtype(A) else b.Cast(B, to=_onnx_type(ctx.dtype(A)))
+            Bx = B if ctx.dtype(B) == ctx.dtype(A) else b.Cast(B, to=onnx_type(ctx.dtype(A)))
             dA = b.Mul(dY, b.Mul(Bx, b.Pow(A, b.Sub(Bx, ctx.const(1, like=A)))))
     if ctx.needs(1):
         zero = ctx.const(0, like=A)
         log_a = b.Where(b.Greater(A, zero), b.Log(b.Max(A, ctx.const(np.finfo(ctx.dtype(A)).tiny, like=A))), zero)
         dB = b.Mul(b.Mul(dY, Y), log_a)
         if ctx.dtype(B) != ctx.dtype(A):
-            dB = b.Cast(dB, to=_onnx_type(ctx.dtype(B)))
+            dB = b.Cast(dB, to=onnx_type(ctx.dtype(B)))
     return dA, dB
 
 
@@ -258,13 +259,6 @@ def softsign_grad(ctx, dY):
     return (b.Div(dY, b.Mul(d, d)),)
 
 
-@gradient("Erf")
-def erf_grad(ctx, dY):
-    """dX = dY * 2/sqrt(pi) * exp(-X^2)"""
-    b, X = ctx.b, ctx.inputs[0]
-    return (b.Mul(dY, b.Mul(b.Exp(b.Neg(b.Mul(X, X))), ctx.const(2 / math.sqrt(math.pi), like=X))),)
-
-
 @gradient("Gelu")
 def gelu_grad(ctx, dY):
     """exact: dX = dY * (Phi(X) + X * phi(X));
@@ -396,18 +390,6 @@ def where_grad(ctx, dY):
     return (None, b.Where(C, dY, zero) if ctx.needs(1) else None, b.Where(C, zero, dY) if ctx.needs(2) else None)
 
 
-@gradient("Cast")
-def cast_grad(ctx, dY):
-    """dX = cast(dY, X's type)"""
-    return (ctx.b.Cast(dY, to=_onnx_type(ctx.dtype(ctx.inputs[0]))),)
-
-
-@gradient("CastLike")
-def cast_like_grad(ctx, dY):
-    """dX = cast(dY, X's type)"""
-    return (ctx.b.CastLike(dY, ctx.inputs[0]), None)
-
-
 def _zero_grad(ctx, *grads):
     """dX = 0 (piecewise constant)"""
     return ()
@@ -415,9 +397,3 @@ def _zero_grad(ctx, *grads):
 
 for _op in ("Floor", "Ceil", "Round", "Sign"):
     gradient(_op)(_zero_grad)
-
-
-def _onnx_type(dtype: np.dtype) -> int:
-    from onnx import helper
-
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

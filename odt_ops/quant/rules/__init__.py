@@ -1,1 +1,0 @@
-"""Gradient rules of the quantization ops, in the module named like their kernels' (odt_ops.quant.quantize)."""
