@@ -204,8 +204,8 @@ def _load_images(path: Path, data_cfg) -> tuple[np.ndarray, np.ndarray]:
             try:
                 with Image.open(f) as im:  # reads the header only: the size is checked before any pixel is decoded
                     if im.width * im.height > MAX_IMAGE_PIXELS:
-                        raise DataError(f"{f}: {im.width}x{im.height} pixels, more than an image of data may have "
-                                        f"({MAX_IMAGE_PIXELS} pixels); scale it down to about {w}x{h}")
+                        raise DataError(f"{f}: {im.width}x{im.height} pixels, more than a sample may have ({MAX_IMAGE_PIXELS}; "
+                                        f"refused as a possible decompression bomb); scale it down to about {w}x{h}")
                     im = im.convert("L" if c == 1 else "RGB").resize((w, h), Image.Resampling.BOX)
                     a = np.asarray(im, dtype=np.float32)
             except Image.DecompressionBombError as exc:  # Pillow's own limit, hit while opening

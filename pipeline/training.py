@@ -151,7 +151,7 @@ def check_fits(split: Split, model_path: Path, paths: Paths) -> None:
 def target_encoder(model_path: Path, paths: Paths | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """Labels as the artifacts' label input takes them: class ids (cross-entropy) or
     one-hot float rows (mse, l1, bce_with_logits), read from the model's metadata."""
-    proto = model_proto(model_path, paths or Paths(model_path.parent))
+    proto = model_proto(model_path, paths or Paths.default())
     info = meta.read(proto, str(model_path))
     (label,) = info.labels
     value = next(i for i in proto.graph.input if i.name == label)
