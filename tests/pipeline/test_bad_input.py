@@ -38,8 +38,9 @@ def garbage(path):
     "stage,rel,damage",
     [("pretrain", "data/convert/base.onnx", truncate), ("pretrain", "data/convert/base.onnx", garbage),
      ("train", "data/generate/training_model.onnx", truncate), ("train", "data/generate/training_model.onnx", garbage),
-     ("generate", "data/pretrain/base.onnx", garbage)],
-    ids=["truncated-base", "garbage-base", "truncated-training-model", "garbage-training-model", "garbage-pretrained"],
+     ("export", "data/generate/training_model.onnx", truncate), ("generate", "data/pretrain/base.onnx", garbage)],
+    ids=["truncated-base", "garbage-base", "truncated-training-model", "garbage-training-model", "export-truncated-training-model",
+         "garbage-pretrained"],
 )
 @pytest.mark.parametrize("digests", [True, False], ids=["recorded", "no-record"])
 def test_a_damaged_model_handed_to_a_stage_is_one_line(project, tiny_run, capsys, stage, rel, damage, digests):

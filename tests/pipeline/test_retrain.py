@@ -165,10 +165,10 @@ def drop_pngs(inbox: Path, per_class: int, offset: int = 0) -> dict[bytes, int]:
     return {np.asarray(Image.open(f)).tobytes(): int(f.parent.name) for f in inbox.glob("*/*.png")}
 
 
-def git_changes(repo: Path, env: dict) -> str:
-    """Tracked files git sees changed (the inbox itself is the user's untracked data)."""
-    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, env=env, capture_output=True,
-                          text=True, check=True).stdout
+def git_changes(repo: Path, env: dict) -> list[str]:
+    """What git sees changed or new, the inbox aside (the user's own untracked data)."""
+    out = subprocess.run(["git", "status", "--porcelain"], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if not line.startswith("?? data/user/")]
 
 
 def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflow_store):
@@ -194,7 +194,7 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     out = job(repo, {**env, "MLFLOW_TRACKING_URI": mlflow_store}, "tracking.enabled=true")
     assert "new device data in data/user (60 file(s)" in out and "data.user_data=data/user" in out, out
     assert "retrain: promoted: holdout accuracy" in out and "of the pretrained base" in out, out
-    assert git_changes(repo, env) == ""  # params.yaml, dvc.lock and the metrics files as committed
+    assert git_changes(repo, env) == []  # params.yaml, dvc.lock and the metrics files as committed
     record = json.loads((repo / "data/promoted/metrics.json").read_text())["job"]
     fs = DVCFileSystem(str(repo), rev=record["experiment_rev"])  # the experiment as DVC recorded it
     seen = {}
@@ -211,6 +211,13 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     digest = sha256sum_digest(inbox)
     assert inbox_input.dataset.digest == digest[:36] and json.loads(inbox_input.dataset.profile)["sha256"] == digest
     assert {t.key: t.value for t in inbox_input.tags}["mlflow.data.context"] == "training"
+    runs = client.search_runs([client.get_experiment_by_name("odt").experiment_id])
+    (job_run,) = [r for r in runs if r.info.run_name == "retrain"]
+    assert job_run.info.run_id == in_service.run_id == record["mlflow_run_id"]
+    assert job_run.data.tags["retrain.decision"] == "promoted" and job_run.data.tags["dvc.exp"] == record["id"]
+    children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == job_run.info.run_id}
+    assert {"prepare", "train", "evaluate", "export"} <= children, sorted(children)
+    assert {a.path for a in client.list_artifacts(job_run.info.run_id, "job")} >= {"job/params.yaml", "job/dvc.lock", "job/metrics.json"}
 
     # 2. no new device data: nothing to do
     out = job(repo, env)
@@ -222,7 +229,7 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     out = job(repo, env, "optimizer.lr=5")
     assert "continuing from data/promoted/checkpoint" in out, out
     assert "retrain: kept the current model: holdout accuracy" in out and "it would regress" in out and "data/promoted/ unchanged" in out
-    assert promoted_state(repo) == first and git_changes(repo, env) == ""
+    assert promoted_state(repo) == first and git_changes(repo, env) == []
     out = job(repo, env, "optimizer.lr=5")  # the same data again: already tried
     assert "already tried" in out and "--force" in out, out
     history = [json.loads(line) for line in (repo / "data/retrain/history.jsonl").read_text().splitlines()]
@@ -247,7 +254,7 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, "".join(seen_lines) + rest
     assert "interrupted; the promoted model is unchanged" in rest
-    assert promoted_state(repo) == first and git_changes(repo, env) == ""
+    assert promoted_state(repo) == first and git_changes(repo, env) == []
     assert not [p for p in (repo / "data").iterdir() if p.name.startswith(".promoted")]
     assert not list((repo / "data/retrain").glob(".candidate-*"))
     shutil.rmtree(repo / ".dvc" / "tmp", ignore_errors=True)
