@@ -13,9 +13,9 @@ then exits 75, EX_TEMPFAIL):
    ``data.user_data`` is set to it (a ``data.user_data`` outside the inbox is refused
    naming the key), and a folder whose format is unclear is refused naming
    ``data.user_format``.
-2. ``run_experiment``: ``dvc exp run --temp`` (``dvc exp show`` lists every job; the
-   workspace, params.yaml and dvc.lock included, is left as it was), the inbox copied
-   into the temporary copy, continuing from the promoted checkpoint
+2. ``run_experiment``: ``dvc exp run --temp evaluate export`` (``dvc exp show`` lists
+   every job; the workspace, params.yaml and dvc.lock included, is left as it was; the
+   federate stage is not the job's), the inbox copied into the temporary copy, continuing from the promoted checkpoint
    (``train.init_checkpoint``/``train.init_sha256``) rather than from the pretrained
    model; the job's overrides are passed on as ``-S``. The candidate's files are read
    back from the experiment through DVC.
@@ -50,14 +50,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline import promotion
 from pipeline.config.schema import MISSING, Section
 from pipeline.errors import EXIT_INPUT, ConfigError, PipelineError
-from pipeline.promotion import Busy, job_lock, now, promote, promoted_info, stamp
+from pipeline.promotion import Busy, job_lock, now, promoted_info, stamp
 
 EXIT_BUSY = 75
 # what the job reads back from its experiment: the files it promotes, and what decide compares
 CANDIDATE_FILES = {"inference.onnx": "data/export/inference.onnx", "model.odtdiff": "data/export/model.odtdiff",
                    "checkpoint": "data/train/checkpoint"}
+TARGETS = ("evaluate", "export")  # the stages whose outputs the job reads (and theirs upstream; federate is not the job's)
 EXPERIMENT_FILES = ("data/evaluate/metrics.json", "data/prepare/user_holdout.npz", "data/prepare/global_test.npz",
                     "params.yaml", "dvc.lock")
 
@@ -210,7 +212,7 @@ def run_experiment(job: Job, new: NewData, env: dict) -> Candidate:
         job.record["continued_from"] = None
     sets = [*job.overrides, f"data.user_data='{new.user_data}'", f"data.user_format={new.user_format}", *init]
     copies = [a for rel in _untracked(paths.root, job.inbox) for a in ("-C", rel)]  # git's stash carries the tracked ones
-    cmd = [sys.executable, "-m", "dvc", "exp", "run", "--temp", *copies, "-n", job.id, *[a for s in sets for a in ("-S", s)]]
+    cmd = [sys.executable, "-m", "dvc", "exp", "run", "--temp", *copies, "-n", job.id, *[a for s in sets for a in ("-S", s)], *TARGETS]
     code = _run(cmd, paths.root, env)
     if code != 0:
         raise JobError(f"the pipeline failed (dvc exp run exited {code}; the output above names the stage)")
@@ -297,7 +299,7 @@ def decide(cfg, candidate: dict, current: dict, current_model: str) -> Decision:
     return Decision(True, f"holdout accuracy {cand:.4f} >= {cur:.4f} of {what}", cand, cur, current_model)
 
 
-def promote_candidate(job: Job, candidate: Candidate, tracker) -> None:
+def promote(job: Job, candidate: Candidate, tracker) -> None:
     """The candidate into MLflow's registry (alias in-service) and behind the promoted link."""
     from pipeline import tracking, training
 
@@ -306,7 +308,7 @@ def promote_candidate(job: Job, candidate: Candidate, tracker) -> None:
     if model_uri:
         job.record["registry_version"] = tracker.register_model(model_uri, job.cfg.tracking.registered_model, tracking.IN_SERVICE_ALIAS)
     evaluation = json.loads(candidate.file("data/evaluate/metrics.json").read_text())
-    version = promote(files, {"job": job.record, "evaluate": evaluation}, job.promoted, job.state / "models")
+    version = promotion.promote(files, {"job": job.record, "evaluate": evaluation}, job.promoted, job.state / "models")
     job.record["version"] = job.paths.show(version)
 
 
@@ -362,15 +364,9 @@ def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
             candidate = run_experiment(job, new, env)
             current, current_model = current_accuracy(job, candidate)
             d = decide(cfg, candidate.metrics, current, current_model)
-            job.record.update({"decision": "promoted" if d.promote else "kept", "reason": d.reason,
-                               "candidate_user_holdout_accuracy": d.candidate, "current_user_holdout_accuracy": d.current,
-                               "current_model": d.current_model, "candidate_forgetting": candidate.metrics["forgetting"]})
-            tracker.log_metrics({"candidate.user_holdout.accuracy": d.candidate, "current.user_holdout.accuracy": d.current,
-                                 "candidate.global_test.accuracy": candidate.metrics["global_test.personalized.accuracy"],
-                                 "current.global_test.accuracy": current["global_test"],
-                                 "candidate.forgetting": candidate.metrics["forgetting"], "promoted": int(d.promote)})
+            _note_decision(job, tracker, d, candidate.metrics, current)
             if d.promote:
-                promote_candidate(job, candidate, tracker)
+                promote(job, candidate, tracker)
             record(job, tracker, candidate)
         except JobError as exc:
             job.record.update({"decision": "failed", "reason": str(exc)})
@@ -385,6 +381,16 @@ def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
     else:
         print(f"retrain: kept the current model: {d.reason}" + (f"; {shown}/ unchanged" if current_model == "promoted" else ""))
     return 0
+
+
+def _note_decision(job: Job, tracker, d: Decision, candidate: dict, current: dict) -> None:
+    job.record.update({"decision": "promoted" if d.promote else "kept", "reason": d.reason,
+                       "candidate_user_holdout_accuracy": d.candidate, "current_user_holdout_accuracy": d.current,
+                       "current_model": d.current_model, "candidate_forgetting": candidate["forgetting"]})
+    tracker.log_metrics({"candidate.user_holdout.accuracy": d.candidate, "current.user_holdout.accuracy": d.current,
+                         "candidate.global_test.accuracy": candidate["global_test.personalized.accuracy"],
+                         "current.global_test.accuracy": current["global_test"],
+                         "candidate.forgetting": candidate["forgetting"], "promoted": int(d.promote)})
 
 
 def _paths(candidate: Candidate):

@@ -179,11 +179,6 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     repo = project_copy(tmp_path / "clone", TINY_CONF)
     env = dvc_env(tmp_path)
     inbox = repo / "data" / "user"
-    # the committed baseline a user's clone has: dvc.lock after dvc repro (the experiments start from it)
-    subprocess.run([sys.executable, "-m", "dvc", "repro", "-q"], cwd=repo, env=env, check=True, capture_output=True, timeout=600)
-    subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
-    subprocess.run(["git", "commit", "-q", "-m", "baseline"], cwd=repo, env=env, check=True)
-
     # 0. an empty inbox: nothing to do
     out = job(repo, env)
     assert "no device data in data/user (0 file(s)" in out and "nothing to do" in out, out
