@@ -36,7 +36,7 @@ import odt_ops
 from pipeline import models
 from pipeline.config import MISSING, Section
 from pipeline.errors import DataError, ModelSourceError
-from pipeline.io import load_npz, write_json
+from pipeline.io import load_npz, write_digests, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NullRun
 
@@ -95,6 +95,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     summary = describe(model)
     summary["source"] = describe_source(cfg)
     write_json(out / "model.json", summary)
+    write_digests(out)  # pretrain checks base.onnx against it
     return {"n_params": summary["n_params"], "n_nodes": summary["n_nodes"], "opset": summary["opset"]}
 
 

@@ -15,6 +15,9 @@ import numpy as np
 from pipeline.errors import ConfigError, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".pgm", ".ppm", ".tif", ".tiff", ".webp")
+# a sample is a few dozen pixels; anything this large is a mistake or a decompression bomb,
+# refused before decoding (Pillow's own limit, ~89M pixels, is for photos)
+MAX_IMAGE_PIXELS = 4096 * 4096
 UP = 4  # optdigits' 8x8 values count the ink pixels of 4x4 blocks of a 32x32 bitmap
 
 
@@ -77,27 +80,71 @@ def render_style(x: np.ndarray, *, slant_deg: float, stroke: int, jitter_deg: fl
 # --------------------------------------------------------------------------- user data
 
 
+README = "README"  # a folder's notes (data/user/README.md) are not data
+
+
+def user_files(folder: Path) -> list[Path]:
+    """The data files under ``folder``, sorted: dotfiles, dot-folders and READMEs aside
+    (the retraining job hashes the same list, so what it sees is what prepare reads)."""
+    if folder.is_file():
+        return [folder]
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not _ignored(p.relative_to(folder)))
+
+
+def _ignored(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts) or rel.name.upper().startswith(README)
+
+
+def folder_format(folder: Path, fmt: str, *, key: str = "data.user_format") -> str | None:
+    """What a folder of user data holds: ``npz`` or ``csv`` files at its top, or ``images``
+    in class subfolders; None when it holds no data. A folder that mixes them, or holds a
+    file of none of these kinds, is a DataError naming the file and ``key``."""
+    kinds: dict[str, Path] = {}
+    for f in user_files(folder):
+        rel = f.relative_to(folder)
+        kind = ("images" if f.suffix.lower() in IMAGE_SUFFIXES else None) if len(rel.parts) == 2 else \
+            {".npz": "npz", ".csv": "csv"}.get(f.suffix.lower()) if len(rel.parts) == 1 else None
+        if kind is None:
+            raise DataError(f"{f}: not user data (an .npz or .csv in {folder}, or an image in a class folder {folder}/<class>/); "
+                            "move it out, or point data.user_data at the data itself")
+        kinds.setdefault(kind, f)
+    if fmt != "auto":
+        return fmt if fmt in kinds else None
+    if len(kinds) > 1:
+        found = ", ".join(f"{k} ({v})" for k, v in sorted(kinds.items()))
+        raise DataError(f"{folder}: holds more than one kind of data: {found}; set {key} to the one to use (npz | csv | images)")
+    return next(iter(kinds), None)
+
+
 def load_user_data(path: Path, data_cfg, *, shown: str) -> tuple[np.ndarray, np.ndarray]:
-    """The user's own samples from an .npz, a .csv or an image folder (``data.user_format``),
-    checked against ``data.input_shape`` and ``data.num_classes``. ``shown`` is the
-    path as the user wrote it, for messages."""
+    """The user's own samples from an .npz, a .csv, a folder of either, or an image folder
+    (``data.user_format``), checked against ``data.input_shape`` and ``data.num_classes``.
+    ``shown`` is the path as the user wrote it, for messages."""
     fmt = data_cfg.user_format.value
     if not path.exists():
         raise DataError(
             f"data.user_data={shown}: {path} not found; put your data there or set data.user_data=null "
             "for the simulated user (formats: data/user/README.md)"
         )
-    if fmt == "auto":
-        fmt = "images" if path.is_dir() else {".npz": "npz", ".csv": "csv"}.get(path.suffix.lower(), "")
+    if path.is_dir():
+        fmt = folder_format(path, fmt)
+        if fmt is None:
+            kind = "" if data_cfg.user_format.value == "auto" else f" {data_cfg.user_format.value}"
+            raise DataError(f"data.user_data={shown}: {path} holds no{kind} data (formats: data/user/README.md)")
+    elif fmt == "auto":
+        fmt = {".npz": "npz", ".csv": "csv"}.get(path.suffix.lower(), "")
         if not fmt:
             raise DataError(f"{path}: unknown data format {path.suffix!r}; use an .npz, a .csv or a folder of images, or set data.user_format")
-    if fmt == "images" and not path.is_dir():
-        raise DataError(f"{path}: data.user_format=images needs a folder with one subfolder per class")
-    if fmt != "images" and path.is_dir():
-        raise DataError(f"{path}: is a folder but data.user_format={fmt}; point data.user_data at the file")
-    loader = {"npz": _load_npz, "csv": _load_csv, "images": _load_images}[fmt]
-    x, y = loader(path, data_cfg)
-    return _check_samples(path, x, y, data_cfg)
+    if fmt == "images":
+        if not path.is_dir():
+            raise DataError(f"{path}: data.user_format=images needs a folder with one subfolder per class")
+        return _check_samples(path, *_load_images(path, data_cfg), data_cfg, scaled=True)  # images are scaled as read
+    loader = {"npz": _load_npz, "csv": _load_csv}[fmt]
+    files = [f for f in user_files(path) if f.suffix.lower() == f".{fmt}" and f.parent == path] if path.is_dir() else [path]
+    parts = [_check_samples(f, *loader(f, data_cfg), data_cfg, scaled=False) for f in files]
+    return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
 
 
 def _load_npz(path: Path, data_cfg) -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +157,7 @@ def _load_npz(path: Path, data_cfg) -> tuple[np.ndarray, np.ndarray]:
 def _load_csv(path: Path, data_cfg) -> tuple[np.ndarray, np.ndarray]:
     label_column = data_cfg.label_column
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel's byte-order mark
             rows = list(csv.reader(f))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise DataError(f"{path}: not a readable CSV file ({exc})") from None
@@ -155,9 +202,14 @@ def _load_images(path: Path, data_cfg) -> tuple[np.ndarray, np.ndarray]:
             raise DataError(f"{d}: class folders must be named by class id (0 .. {data_cfg.num_classes - 1}), not {d.name!r}") from None
         for f in sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES):
             try:
-                with Image.open(f) as im:
+                with Image.open(f) as im:  # reads the header only: the size is checked before any pixel is decoded
+                    if im.width * im.height > MAX_IMAGE_PIXELS:
+                        raise DataError(f"{f}: {im.width}x{im.height} pixels, more than a sample may have ({MAX_IMAGE_PIXELS}; "
+                                        f"refused as a possible decompression bomb); scale it down to about {w}x{h}")
                     im = im.convert("L" if c == 1 else "RGB").resize((w, h), Image.Resampling.BOX)
                     a = np.asarray(im, dtype=np.float32)
+            except Image.DecompressionBombError as exc:  # Pillow's own limit, hit while opening
+                raise DataError(f"{f}: refused as a decompression bomb ({exc}); scale it down to about {w}x{h}") from None
             except (OSError, UnidentifiedImageError, ValueError) as exc:
                 raise DataError(f"{f}: not a readable image ({exc})") from None
             xs.append(a[None] if c == 1 else a.transpose(2, 0, 1))
@@ -180,7 +232,7 @@ def _image_shape(data_cfg) -> tuple[int, int, int]:
     return shape[0], shape[1], shape[2]
 
 
-def _check_samples(path: Path, x: np.ndarray, y: np.ndarray, data_cfg) -> tuple[np.ndarray, np.ndarray]:
+def _check_samples(path: Path, x: np.ndarray, y: np.ndarray, data_cfg, *, scaled: bool) -> tuple[np.ndarray, np.ndarray]:
     shape = tuple(data_cfg.input_shape)
     size = math.prod(shape)
     if x.ndim < 2 or len(x) != len(y) or y.ndim != 1:
@@ -195,7 +247,7 @@ def _check_samples(path: Path, x: np.ndarray, y: np.ndarray, data_cfg) -> tuple[
             "reshape the data or set data.input_shape"
         )
     x = x.reshape(len(x), *shape).astype(np.float32)
-    if data_cfg.user_format.value != "images" and data_cfg.pixel_max:
+    if not scaled and data_cfg.pixel_max:
         x = x / np.float32(data_cfg.pixel_max)
     if not np.all(np.isfinite(x)):
         raise DataError(f"{path}: x has NaN or infinite values")

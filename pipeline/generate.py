@@ -30,7 +30,7 @@ from odt_ops.checkpoint import load_checkpoint
 from odt_ops.errors import UnsupportedOpError
 from pipeline import config, selection
 from pipeline.errors import DataError
-from pipeline.io import write_json
+from pipeline.io import write_digests, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NullRun
 
@@ -85,6 +85,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
         "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets)},
     }
     write_json(out / SUMMARY, summary)
+    write_digests(out)  # training.generated() checks the artifacts against it
     return {"n_trainable_params": n_trainable, "n_params": n_all, "trainable_fraction": n_trainable / max(1, n_all),
             "n_trained_layers": len(summary["trained_layers"])}
 

@@ -68,6 +68,11 @@ class Paths:
     def data(self) -> Path:
         return self.root / "data"
 
+    @property
+    def user_folder(self) -> Path:
+        """data/user: where the user's own data is dropped (prepare's DVC dependency)."""
+        return self.data / "user"
+
     def out(self, stage: str) -> Path:
         """The output directory of ``stage`` (data/<stage>/)."""
         if stage not in stages():

@@ -11,7 +11,9 @@ user's handwriting (``data.style``: a slant and a heavier pen, see
 ``datasets.render_style``). The user labels ``data.user_train_per_class`` digits per
 class on the device; the rest is the holdout that measures personalization. With
 ``data.user_data`` set, the user's own samples replace the simulated user and are
-split ``data.user_holdout_fraction`` into the holdout.
+split ``data.user_holdout_fraction`` into the holdout. With ``data.user_data`` null,
+files dropped into data/user are used the same way when their format is clear; when it
+is not, one line says why and which key to set.
 
 The probe is a nearest-centroid classifier fit on global_train: its accuracy on the
 global test set versus the user's holdout shows how far the user is from the crowd.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
@@ -30,7 +33,7 @@ import numpy as np
 from pipeline import datasets
 from pipeline.config import MISSING, Section
 from pipeline.errors import ConfigError, DataError
-from pipeline.io import save_npz, write_json
+from pipeline.io import save_npz, write_digests, write_json
 from pipeline.paths import SPLITS, Paths
 from pipeline.tracking import NullRun
 
@@ -93,7 +96,7 @@ class DataConfig(Section):
         self.need(self.user_train_per_class >= 1, "user_train_per_class", "an integer >= 1")
         self.need(self.user_train_per_class * self.num_classes < self.user_samples, "user_train_per_class",
                   f"fewer than data.user_samples / data.num_classes ({self.user_samples / self.num_classes:g}) so a holdout remains")
-        self.need(self.pixel_max is None or self.pixel_max > 0, "pixel_max", "null or a number > 0")
+        self.need(self.pixel_max is None or 0 < self.pixel_max < math.inf, "pixel_max", "null or a finite number > 0")
         self.need(bool(self.label_column), "label_column", "a non-empty column name")
 
 
@@ -117,10 +120,11 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     n_test = int(round(d.test_fraction * len(cloud_idx)))
     splits = {"global_train": (x[cloud_idx[n_test:]], y[cloud_idx[n_test:]]), "global_test": (x[cloud_idx[:n_test]], y[cloud_idx[:n_test]])}
 
-    if d.user_data:
-        ux, uy = datasets.load_user_data(paths.resolve(d.user_data), d, shown=d.user_data)
+    user_data = d.user_data or _dropped_files(d, paths)
+    if user_data:
+        ux, uy = datasets.load_user_data(paths.resolve(user_data), d, shown=user_data)
         train_idx, hold_idx = _split_per_class(uy, rng, holdout_fraction=d.user_holdout_fraction)
-        source = f"own data: {d.user_data}"
+        source = f"own data: {user_data}"
     else:
         style = d.style
         ux = datasets.render_style(
@@ -142,12 +146,36 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     metrics["probe_acc_user_holdout"] = probe(*splits["user_holdout"])
     write_json(out / SUMMARY, {
         "source": source,
-        "style": dataclasses.asdict(d.style) if not d.user_data else None,
+        "style": dataclasses.asdict(d.style) if not user_data else None,
         "classes": {name: np.bincount(splits[name][1], minlength=d.num_classes).tolist() for name in SPLITS},
         "metrics": metrics,
         "probe": "nearest centroid fit on global_train",
     })
+    write_digests(out)
     return metrics
+
+
+def _dropped_files(d, paths: Paths) -> str | None:
+    """With ``data.user_data`` null, files dropped into data/user are the user's data when
+    their format is clear (one line says so); otherwise one line says why not and which key
+    to set, and the simulated user stays."""
+    folder = paths.user_folder
+    files = datasets.user_files(folder)
+    if not files:
+        return None
+    shown = paths.show(folder)
+    try:
+        fmt = datasets.folder_format(folder, d.user_format.value)
+    except DataError as exc:
+        print(f"prepare: not using the {len(files)} file(s) in {shown}: {exc}; meanwhile the simulated user stands in", file=sys.stderr)
+        return None
+    if fmt is None:
+        print(f"prepare: not using the {len(files)} file(s) in {shown}: none is {d.user_format.value} data (data.user_format); "
+              "set data.user_format=auto, or data.user_data to your data", file=sys.stderr)
+        return None
+    print(f"prepare: data.user_data is null, so the {len(files)} file(s) in {shown} ({fmt}) are the user's data "
+          f"(set data.user_data to choose other data)", file=sys.stderr)
+    return shown
 
 
 def _split_per_class(y: np.ndarray, rng: np.random.Generator, *, train_per_class: int | None = None, holdout_fraction: float | None = None):

@@ -30,7 +30,7 @@ from pipeline import config, training
 from pipeline.config import MISSING, OPTIMIZER, Section
 from pipeline.convert import ModelSource
 from pipeline.errors import DataError
-from pipeline.io import flatten, nest, write_json
+from pipeline.io import flatten, nest, verify_digest, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NullRun
 
@@ -71,6 +71,7 @@ def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
     source = paths.base_model
     if not source.is_file():
         raise DataError(f"{paths.show(source)}: convert's model not found; run the pipeline from the start (dvc repro)")
+    verify_digest(source, paths.show(source))
     splits = {name: training.load_split(paths, name) for name in EVAL_SPLITS}
     training.check_fits(splits["global_train"], source, paths)
     out = paths.out("pretrain")

@@ -2,41 +2,41 @@
 
     python -m pipeline.retrain [--force] [--wait SECONDS] [OVERRIDE ...]
 
-1. Takes the job lock (``<retrain.state_dir>/lock``, fcntl.flock): a second job
-   while one runs waits up to ``--wait``/``retrain.wait_seconds`` seconds, then exits
-   with code 75 (EX_TEMPFAIL: "try again later") and a message naming the holder.
-2. Hashes every file in the inbox (``retrain.inbox``, data/user/; dotfiles and
-   READMEs aside). If that hash is the promoted model's, or the last kept candidate's,
-   there is nothing new: it says so and exits 0 (``--force`` retrains anyway).
-3. Reproduces the pipeline as a DVC experiment (``dvc exp run -n retrain-<time>``,
-   so ``dvc exp show`` lists every job with its metrics), continuing from the
-   promoted checkpoint (``-S train.init_checkpoint=... -S train.init_sha256=...``:
-   weights and optimizer state) rather than from the pretrained model; the job's
-   overrides are passed on as ``-S``.
-4. Compares the candidate with the model in service on the current holdout: the
-   promoted ``inference.onnx`` (or, before any promotion, the pretrained base) is run
-   on the same ``user_holdout`` the candidate was evaluated on. It promotes when the
-   candidate's accuracy is at least the current one's plus ``retrain.min_delta`` (and,
-   when ``retrain.max_forgetting`` is set, it forgot at most that much of the global
-   test accuracy), and otherwise keeps the current model, saying why.
-5. Promotion is atomic: the new version is written in full under
-   ``<state_dir>/models/<id>/`` and ``retrain.promoted_dir`` (data/promoted) is a
-   symbolic link swapped to it by one rename. An interrupted or failed job never
-   touches it. The last few versions stay for rollback.
-6. The whole job is one MLflow run (``retrain``) with the stage runs nested under it:
-   the decision, the reason and both accuracies as metrics and tags, and params.yaml,
-   dvc.lock and the metrics as artifacts. ``<state_dir>/history.jsonl`` logs every
-   decision.
+One job is five steps, under the job lock (``<retrain.state_dir>/lock``, see
+pipeline/promotion.py; a second job waits ``--wait``/``retrain.wait_seconds`` seconds,
+then exits 75, EX_TEMPFAIL):
+
+1. ``find_new_data``: the inbox (``retrain.inbox``, data/user or a folder in it) is
+   hashed (its SHA256SUMS-style listing: dotfiles and READMEs aside). No files, or the
+   hash of the promoted model's data or of the last candidate kept out: nothing to do
+   (``--force`` retries kept data). The inbox is the data the job trains on:
+   ``data.user_data`` is set to it (a ``data.user_data`` outside the inbox is refused
+   naming the key), and a folder whose format is unclear is refused naming
+   ``data.user_format``.
+2. ``run_experiment``: ``dvc exp run --temp evaluate export`` (``dvc exp show`` lists
+   every job; the workspace, params.yaml and dvc.lock included, is left as it was; the
+   federate stage is not the job's), the inbox copied into the temporary copy, continuing from the promoted checkpoint
+   (``train.init_checkpoint``/``train.init_sha256``) rather than from the pretrained
+   model; the job's overrides are passed on as ``-S``. The candidate's files are read
+   back from the experiment through DVC.
+3. ``decide``: the candidate against the model in service on the candidate's holdout
+   (the promoted ``inference.onnx``, or before any promotion the pretrained base):
+   promote when its accuracy is at least the current one's plus ``retrain.min_delta``
+   (and, with ``retrain.max_forgetting``, it forgot at most that much global test
+   accuracy); otherwise keep the current model, saying why.
+4. ``promote``: the model in MLflow's registry (alias ``in-service``) and as a new
+   version behind the ``retrain.promoted_dir`` link (pipeline/promotion.py).
+5. ``record``: ``<state_dir>/history.jsonl``, and the job's MLflow run (the stage runs
+   nested under it): the decision, both accuracies, the inbox as the run's training
+   dataset (digest = the inbox's sha256), the experiment's params.yaml and dvc.lock.
 
 Exit codes: 0 promoted, kept or nothing new; 1 the pipeline or an input failed; 2 bad
 configuration; 75 another job holds the lock; 130 interrupted.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
-import datetime as dt
-import errno
-import fcntl
 import hashlib
 import importlib
 import json
@@ -45,17 +45,23 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline import promotion
 from pipeline.config.schema import MISSING, Section
-from pipeline.errors import EXIT_INPUT, PipelineError
+from pipeline.errors import EXIT_INPUT, ConfigError, PipelineError
+from pipeline.promotion import Busy, job_lock, now, promoted_info, stamp
 
 EXIT_BUSY = 75
-KEEP_VERSIONS = 3
+# what the job reads back from its experiment: the files it promotes, and what decide compares
+CANDIDATE_FILES = {"inference.onnx": "data/export/inference.onnx", "model.odtdiff": "data/export/model.odtdiff",
+                   "checkpoint": "data/train/checkpoint"}
+TARGETS = ("evaluate", "export")  # the stages whose outputs the job reads (and theirs upstream; federate is not the job's)
+EXPERIMENT_FILES = ("data/evaluate/metrics.json", "data/prepare/user_holdout.npz", "data/prepare/global_test.npz",
+                    "params.yaml", "dvc.lock")
 
 
 @dataclass
@@ -73,87 +79,198 @@ class RetrainConfig(Section):
     def check(self) -> None:
         for key in ("inbox", "promoted_dir", "state_dir"):
             self.need(bool(getattr(self, key)), key, "a path relative to the repository")
-        self.need(self.max_forgetting is None or self.max_forgetting >= 0, "max_forgetting",
-                  "null or a number >= 0 (accuracy points as a fraction)")
-        self.need(self.wait_seconds >= 0, "wait_seconds", "a number >= 0 (0: exit at once when a job is running)")
+        self.need(abs(self.min_delta) < float("inf"), "min_delta", "a finite number (accuracy points as a fraction)")
+        self.need(self.max_forgetting is None or 0 <= self.max_forgetting < float("inf"), "max_forgetting",
+                  "null or a finite number >= 0 (accuracy points as a fraction)")
+        self.need(0 <= self.wait_seconds < float("inf"), "wait_seconds", "a finite number >= 0 (0: exit at once when a job is running)")
 
 
 CONFIG = {"retrain": RetrainConfig}
-
-
-class Busy(Exception):
-    """Another retrain job holds the lock."""
 
 
 class JobError(PipelineError):
     """The pipeline failed inside the job; the promoted model is unchanged."""
 
 
-# --------------------------------------------------------------------------- pieces
-
-
-@contextlib.contextmanager
-def job_lock(path: Path, wait: float = 0.0) -> Iterator[None]:
-    """Exclusive fcntl lock on ``path`` for the job's lifetime (released by the kernel if
-    the process dies); raises Busy naming the holder after ``wait`` seconds."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                if time.monotonic() >= deadline:
-                    text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-                    holder = text.splitlines()[0] if text else "holder unknown"
-                    raise Busy(f"another retrain job holds {path} ({holder})") from None
-                time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, started {_now()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
 def inbox_digest(inbox: Path) -> tuple[str, int]:
-    """SHA-256 over the inbox's files (relative names and contents), with their count."""
-    h = hashlib.sha256()
-    n = 0
-    if inbox.is_file():
-        files = [inbox]
-        base = inbox.parent
-    else:
-        files = sorted(p for p in inbox.rglob("*") if p.is_file()) if inbox.is_dir() else []
-        base = inbox
-    for p in files:
-        rel = p.relative_to(base)
-        if any(part.startswith(".") for part in rel.parts) or p.name.upper().startswith("README"):
-            continue
-        h.update(f"{rel.as_posix()}\0{p.stat().st_size}\0".encode())
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        n += 1
-    return h.hexdigest(), n
+    """The inbox's SHA-256 and its number of data files: the sha256 of its ``sha256sum``
+    listing (``<sha256>  <relative path>`` per file, sorted by path), so anyone can
+    recompute it: ``cd data/user && sha256sum <files, sorted> | sha256sum``."""
+    from pipeline import datasets
+    from pipeline.io import sums_text
+
+    files = datasets.user_files(inbox)
+    base = inbox.parent if inbox.is_file() else inbox
+    return hashlib.sha256(sums_text(base, files).encode()).hexdigest(), len(files)
 
 
-def promoted_info(promoted: Path) -> dict | None:
-    """The promoted model's metrics.json, or None when nothing was promoted yet."""
-    path = promoted / "metrics.json"
-    if not path.is_file():
+# --------------------------------------------------------------------------- the steps
+
+
+@dataclass
+class Job:
+    """What the steps share: the job's identity and record, the paths, the settings."""
+
+    cfg: object
+    overrides: list[str]
+    paths: object  # pipeline.paths.Paths
+    id: str = field(default_factory=lambda: f"retrain-{stamp()}")
+    record: dict = field(default_factory=dict)
+
+    @property
+    def inbox(self) -> Path:
+        return self.paths.resolve(self.cfg.retrain.inbox)
+
+    @property
+    def promoted(self) -> Path:
+        return self.paths.resolve(self.cfg.retrain.promoted_dir)
+
+    @property
+    def state(self) -> Path:
+        return self.paths.resolve(self.cfg.retrain.state_dir)
+
+
+@dataclass
+class NewData:
+    digest: str
+    files: int
+    user_data: str  # data.user_data for the experiment: the inbox or the file in it
+    user_format: str
+
+
+def find_new_data(job: Job, *, force: bool) -> NewData | None:
+    """The inbox's data when it is new (None, said in one line, when there is nothing to
+    do); ConfigError/DataError naming the key when the experiment could not train on it."""
+    from pipeline import datasets
+
+    paths, inbox, data = job.paths, job.inbox, job.cfg.data
+    _inside_user_folder(job)
+    digest, n = inbox_digest(inbox)
+    shown = f"{paths.show(inbox)} ({n} file(s), sha256 {digest[:12]})"
+    info, last = promoted_info(job.promoted), _last(job.state)
+    if n == 0:
+        print(f"retrain: no device data in {shown}; nothing to do (put labelled samples there: data/user/README.md)")
         return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise PipelineError(f"{path}: unreadable ({exc}); move {promoted} aside to start over") from None
+    if not force and info is not None and info["job"]["inbox_sha256"] == digest:
+        print(f"retrain: no new device data in {shown} since the model promoted at {info['job']['time']}; nothing to do")
+        return None
+    if not force and last and last.get("inbox_sha256") == digest and last.get("decision") == "kept":
+        print(f"retrain: the device data in {shown} was already tried at {last['time']} and the model kept "
+              f"({last['reason']}); nothing to do (--force retries)")
+        return None
+    user_data = data.user_data or paths.show(inbox)
+    target = paths.resolve(user_data).resolve()
+    if target != inbox.resolve() and inbox.resolve() not in target.parents:
+        raise ConfigError(f"data.user_data={data.user_data}: outside the inbox retrain.inbox={job.cfg.retrain.inbox} whose new files "
+                          "triggered this job; set data.user_data=null (the job trains on the inbox) or retrain.inbox to your data")
+    fmt = data.user_format.value
+    if target.is_dir():
+        fmt = datasets.folder_format(target, fmt)  # DataError naming data.user_format when mixed
+        if fmt is None:
+            raise ConfigError(f"data.user_format={data.user_format.value}: {paths.show(target)} holds no such data; "
+                              "set data.user_format=auto or to the kind of data it holds")
+    job.record.update({"inbox": paths.show(inbox), "inbox_sha256": digest, "inbox_files": n, "user_data": user_data})
+    print(f"retrain: new device data in {shown}; training on it (data.user_data={user_data}) as experiment {job.id}")
+    return NewData(digest, n, user_data, fmt)
+
+
+def _inside_user_folder(job: Job) -> None:
+    """The inbox is prepare's DVC dependency (data/user or a folder in it), so new files
+    rerun prepare, and it is copied into the experiment's temporary copy."""
+    user, inbox = job.paths.user_folder.resolve(), job.inbox.resolve()
+    if inbox != user and user not in inbox.parents:
+        raise ConfigError(f"retrain.inbox={job.cfg.retrain.inbox}: must be {job.paths.show(job.paths.user_folder)} or a folder in it "
+                          "(prepare's DVC dependency, so new files rerun prepare)")
+
+
+@dataclass
+class Candidate:
+    """The experiment's outputs, read back from DVC into ``root`` (data/<stage>/ layout)."""
+
+    rev: str
+    root: Path
+    metrics: dict
+
+    def file(self, rel: str) -> Path:
+        return self.root / rel
+
+
+def run_experiment(job: Job, new: NewData, env: dict) -> Candidate:
+    """``dvc exp run --temp`` on the inbox, continuing from the promoted model; the
+    workspace is left as it was. Raises JobError naming what failed."""
+    from pipeline.io import flatten, sha256_file
+
+    paths, r = job.paths, job.cfg.retrain
+    info = promoted_info(job.promoted)
+    if info is not None and r.continue_from_promoted:
+        ckpt = (job.promoted / "checkpoint").resolve()  # the version itself: the temporary copy has no data/promoted
+        init = [f"train.init_checkpoint='{ckpt}'", f"train.init_sha256='{sha256_file(ckpt)}'"]
+        job.record["continued_from"] = paths.show(job.promoted / "checkpoint")
+        print(f"retrain: continuing from {job.record['continued_from']}")
+    else:
+        init = ["train.init_checkpoint=null", "train.init_sha256=null"]
+        job.record["continued_from"] = None
+    sets = [*job.overrides, f"data.user_data='{new.user_data}'", f"data.user_format={new.user_format}", *init]
+    copies = [a for rel in _untracked(paths.root, job.inbox) for a in ("-C", rel)]  # git's stash carries the tracked ones
+    cmd = [sys.executable, "-m", "dvc", "exp", "run", "--temp", *copies, "-n", job.id, *[a for s in sets for a in ("-S", s)], *TARGETS]
+    code = _run(cmd, paths.root, env)
+    if code != 0:
+        raise JobError(f"the pipeline failed (dvc exp run exited {code}; the output above names the stage)")
+    rev = _experiment_rev(paths.root, job.id)
+    root = job.state / f".candidate-{job.id}"
+    shutil.rmtree(root, ignore_errors=True)
+    _read_experiment(paths.root, rev, [*CANDIDATE_FILES.values(), *EXPERIMENT_FILES], root)
+    job.record["experiment_rev"] = rev
+    return Candidate(rev, root, flatten(json.loads((root / "data/evaluate/metrics.json").read_text())))
+
+
+def _untracked(root: Path, folder: Path) -> list[str]:
+    """The files and folders under ``folder`` git does not track, untracked folders as one
+    entry: what ``dvc exp run --temp -C`` must copy into the temporary copy."""
+    out = subprocess.run(["git", "ls-files", "--others", "--directory", "-z", "--", str(folder)], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    return [p.rstrip("/") for p in out.split("\0") if p]
+
+
+def _experiment_rev(root: Path, name: str) -> str:
+    """The commit of DVC experiment ``name`` (refs/exps/.../<name>)."""
+    out = subprocess.run(["git", "for-each-ref", "--format=%(objectname) %(refname)", "refs/exps/"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    revs = [line.split()[0] for line in out.splitlines() if line.endswith(f"/{name}")]
+    if len(revs) != 1:
+        raise JobError(f"dvc exp run finished but left {len(revs)} experiment(s) named {name} (git for-each-ref refs/exps/)")
+    return revs[0]
+
+
+def _read_experiment(root: Path, rev: str, files: Sequence[str], dest: Path) -> None:
+    """Copy ``files`` as experiment ``rev`` has them (git's or DVC's cache) under ``dest``."""
+    from dvc.api import DVCFileSystem
+
+    fs = DVCFileSystem(str(root), rev=rev)
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(rel, str(dest / rel))
+
+
+@dataclass
+class Decision:
+    promote: bool
+    reason: str
+    candidate: float
+    current: float
+    current_model: str  # promoted | base
+
+
+def current_accuracy(job: Job, candidate: Candidate) -> tuple[dict, str]:
+    """The model in service on the candidate's holdout and global test set."""
+    if promoted_info(job.promoted) is None:
+        m = candidate.metrics
+        return {"user_holdout": m["user_holdout.base.accuracy"], "global_test": m["global_test.base.accuracy"]}, "base"
+    return holdout_accuracy(job.promoted / "inference.onnx", _paths(candidate), job.cfg.data.num_classes), "promoted"
 
 
 def holdout_accuracy(model: Path, paths, num_classes: int) -> dict:
-    """Accuracy of an inference model on the current user holdout and global test set."""
+    """Accuracy of an inference model on ``paths``' user holdout and global test set."""
     import odt_ops
     from pipeline import training
 
@@ -165,67 +282,6 @@ def holdout_accuracy(model: Path, paths, num_classes: int) -> dict:
         logits = training.batched(lambda x, t: sess.run(None, {inp: x})[0], split.x, split.y, 512)
         out[name] = training.classification(logits, split.y, num_classes)["accuracy"]
     return out
-
-
-def promote(files: dict[str, Path], info: dict, promoted: Path, versions: Path) -> Path:
-    """Write a new version in full, then point ``promoted`` (a symlink) at it in one rename."""
-    from pipeline.io import atomic_write_text
-
-    versions.mkdir(parents=True, exist_ok=True)
-    version = versions / info["job"]["id"]
-    staging = versions / f".{version.name}.staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    for name, src in files.items():
-        shutil.copyfile(src, staging / name)
-        with open(staging / name, "rb") as f:
-            os.fsync(f.fileno())
-    atomic_write_text(staging / "metrics.json", json.dumps(info, indent=2, sort_keys=True) + "\n")
-    os.replace(staging, version)
-    if promoted.exists() and not promoted.is_symlink():  # a plain folder from elsewhere: keep it as a version
-        os.replace(promoted, versions / f"legacy-{_stamp()}")
-    link = promoted.parent / f".{promoted.name}.link-{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):
-        link.unlink()
-    os.symlink(os.path.relpath(version, promoted.parent), link)
-    os.replace(link, promoted)  # atomic: readers see the old version or the new one
-    _prune(versions, keep={version.name})
-    return version
-
-
-def _prune(versions: Path, keep: set[str]) -> None:
-    for leftover in versions.glob(".*.staging"):  # from an interrupted promotion
-        shutil.rmtree(leftover, ignore_errors=True)
-    done = sorted((p for p in versions.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
-    for old in done[:-KEEP_VERSIONS]:
-        if old.name not in keep:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _now() -> str:
-    return dt.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-def _stamp() -> str:
-    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
-def _flat(path: Path) -> dict:
-    from pipeline.io import flatten
-
-    return flatten(json.loads(path.read_text()))
-
-
-# --------------------------------------------------------------------------- the job
-
-
-@dataclass
-class Decision:
-    promote: bool
-    reason: str
-    candidate: float
-    current: float
-    current_model: str  # promoted | base
 
 
 def decide(cfg, candidate: dict, current: dict, current_model: str) -> Decision:
@@ -243,87 +299,104 @@ def decide(cfg, candidate: dict, current: dict, current_model: str) -> Decision:
     return Decision(True, f"holdout accuracy {cand:.4f} >= {cur:.4f} of {what}", cand, cur, current_model)
 
 
-def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
+def promote(job: Job, candidate: Candidate, tracker) -> None:
+    """The candidate into MLflow's registry (alias in-service) and behind the promoted link."""
     from pipeline import tracking, training
-    from pipeline.io import sha256_file
+
+    files = {name: candidate.file(rel) for name, rel in CANDIDATE_FILES.items()}
+    model_uri = tracker.log_onnx_model(files["inference.onnx"], training.load_split(_paths(candidate), "user_holdout").x[:2])
+    if model_uri:
+        job.record["registry_version"] = tracker.register_model(model_uri, job.cfg.tracking.registered_model, tracking.IN_SERVICE_ALIAS)
+    evaluation = json.loads(candidate.file("data/evaluate/metrics.json").read_text())
+    version = promotion.promote(files, {"job": job.record, "evaluate": evaluation}, job.promoted, job.state / "models")
+    job.record["version"] = job.paths.show(version)
+
+
+def record(job: Job, tracker, candidate: Candidate | None = None) -> None:
+    """The decision in history.jsonl/last.json and on the job's MLflow run."""
+    from pipeline.io import atomic_write_text
+
+    r = job.record
+    job.state.mkdir(parents=True, exist_ok=True)
+    with open(job.state / "history.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(r, sort_keys=True) + "\n")
+    atomic_write_text(job.state / "last.json", json.dumps(r, indent=2, sort_keys=True) + "\n")
+    tracker.set_tags({"retrain.decision": r["decision"], "retrain.reason": r["reason"]})
+    if candidate is not None:
+        for rel in ("params.yaml", "dvc.lock", "data/evaluate/metrics.json"):
+            tracker.log_artifact(candidate.file(rel), "job")
+    if tracker.enabled and "inbox_sha256" in r:
+        _log_inbox_dataset(tracker.run_id, job)
+
+
+def _log_inbox_dataset(run_id: str, job: Job) -> None:
+    """The inbox as the job run's training dataset: the run the registered version comes
+    from names the data it learnt (MLflow keeps 36 characters of a digest; the profile
+    holds the whole sha256)."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    from pipeline import tracking
+
+    r = job.record
+    dataset = Dataset(name="inbox", digest=r["inbox_sha256"][:36], source_type="local", source=json.dumps({"uri": r["inbox"]}),
+                      profile=json.dumps({"sha256": r["inbox_sha256"], "files": r["inbox_files"]}))
+    MlflowClient(tracking.tracking_uri()).log_inputs(run_id, datasets=[DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])])
+
+
+def run_job(cfg, overrides: Sequence[str], *, force: bool, root: Path) -> int:
+    from pipeline import tracking
     from pipeline.paths import Paths
 
-    r = cfg.retrain
-    paths = Paths(root)
-    inbox, promoted, state = paths.resolve(r.inbox), paths.resolve(r.promoted_dir), paths.resolve(r.state_dir)
-    digest, n_files = inbox_digest(inbox)
-    info = promoted_info(promoted)
-    last = _last(state)
-    shown = f"{paths.show(inbox)} ({n_files} file(s), sha256 {digest[:12]})"
-    if not force:
-        if info is not None and info["job"]["inbox_sha256"] == digest:
-            print(f"retrain: no new device data in {shown} since the model promoted at {info['job']['time']}; nothing to do")
-            return 0
-        if last and last.get("inbox_sha256") == digest and last.get("decision") == "kept":
-            print(f"retrain: the device data in {shown} was already tried at {last['time']} and the model kept "
-                  f"({last['reason']}); nothing to do (--force retries)")
-            return 0
-
-    init: list[str] = []
-    if info is not None and r.continue_from_promoted:
-        ckpt = promoted / "checkpoint"
-        init = [f"train.init_checkpoint='{paths.show(ckpt)}'", f"train.init_sha256='{sha256_file(ckpt)}'"]
-    else:
-        init = ["train.init_checkpoint=null", "train.init_sha256=null"]
-    job_id = f"retrain-{_stamp()}"
-    record = {"id": job_id, "time": _now(), "inbox": paths.show(inbox), "inbox_sha256": digest, "inbox_files": n_files,
-              "continued_from": paths.show(promoted / "checkpoint") if info is not None and r.continue_from_promoted else None,
-              "git_commit": tracking.git_commit(root), "overrides": list(overrides)}
-    print(f"retrain: new device data in {shown}; running the pipeline as experiment {job_id}"
-          + (f", continuing from {record['continued_from']}" if record["continued_from"] else ""))
+    job = Job(cfg, list(overrides), Paths(root))
+    new = find_new_data(job, force=force)
+    if new is None:
+        return 0
+    job.record.update({"id": job.id, "time": now(), "git_commit": tracking.git_commit(root), "overrides": job.overrides})
+    candidate = None
     with tracking.stage_run("retrain", cfg, config_source="retrain: " + " ".join(overrides)) as tracker:
-        record["mlflow_run_id"] = tracker.run_id
-        tracker.set_tags({"retrain.job": job_id, "retrain.inbox_sha256": digest, "dvc.exp": job_id})
+        job.record["mlflow_run_id"] = tracker.run_id
+        tracker.set_tags({"retrain.job": job.id, "retrain.inbox_sha256": new.digest, "dvc.exp": job.id})
         env = dict(os.environ, DVC_NO_ANALYTICS="1", ODT_PYTHON=os.environ.get("ODT_PYTHON") or sys.executable)  # stages: this python
         if tracker.run_id:
             env[tracking.PARENT_ENV] = tracker.run_id
-        sets = [*overrides, *init]
-        cmd = [sys.executable, "-m", "dvc", "exp", "run", "-n", job_id, *[a for s in sets for a in ("-S", s)]]
-        code = _run(cmd, root, env)
-        if code != 0:
-            reason = f"the pipeline failed (dvc exp run exited {code}; the output above names the stage)"
-            _log(state, {**record, "decision": "failed", "reason": reason})
-            tracker.set_tags({"retrain.decision": "failed", "retrain.reason": reason})
-            raise JobError(reason + f"; the promoted model is unchanged{' (' + paths.show(promoted) + ')' if info else ''}")
+        try:
+            candidate = run_experiment(job, new, env)
+            current, current_model = current_accuracy(job, candidate)
+            d = decide(cfg, candidate.metrics, current, current_model)
+            _note_decision(job, tracker, d, candidate.metrics, current)
+            if d.promote:
+                promote(job, candidate, tracker)
+            record(job, tracker, candidate)
+        except JobError as exc:
+            job.record.update({"decision": "failed", "reason": str(exc)})
+            record(job, tracker)
+            raise JobError(f"{exc}; the promoted model is unchanged") from None
+        finally:
+            if candidate is not None:
+                shutil.rmtree(candidate.root, ignore_errors=True)
+    shown = job.paths.show(job.promoted)
+    if d.promote:
+        print(f"retrain: promoted: {d.reason} -> {shown}/")
+    else:
+        print(f"retrain: kept the current model: {d.reason}" + (f"; {shown}/ unchanged" if current_model == "promoted" else ""))
+    return 0
 
-        candidate = _flat(paths.metrics("evaluate"))
-        if info is not None:
-            current = holdout_accuracy(promoted / "inference.onnx", paths, cfg.data.num_classes)
-            current_model = "promoted"
-        else:
-            current = {"user_holdout": candidate["user_holdout.base.accuracy"], "global_test": candidate["global_test.base.accuracy"]}
-            current_model = "base"
-        d = decide(cfg, candidate, current, current_model)
-        record.update({"decision": "promoted" if d.promote else "kept", "reason": d.reason,
+
+def _note_decision(job: Job, tracker, d: Decision, candidate: dict, current: dict) -> None:
+    job.record.update({"decision": "promoted" if d.promote else "kept", "reason": d.reason,
                        "candidate_user_holdout_accuracy": d.candidate, "current_user_holdout_accuracy": d.current,
                        "current_model": d.current_model, "candidate_forgetting": candidate["forgetting"]})
-        tracker.log_metrics({"candidate.user_holdout.accuracy": d.candidate, "current.user_holdout.accuracy": d.current,
-                             "candidate.global_test.accuracy": candidate["global_test.personalized.accuracy"],
-                             "current.global_test.accuracy": current["global_test"], "candidate.forgetting": candidate["forgetting"],
-                             "promoted": int(d.promote)})
-        tracker.set_tags({"retrain.decision": record["decision"], "retrain.reason": d.reason})
-        if d.promote:
-            files = {p.name: p for p in (paths.inference_model, paths.model_diff, paths.trained_checkpoint)}
-            # the promoted model in MLflow's registry, its in-service alias moved to the new version
-            model_uri = tracker.log_onnx_model(files["inference.onnx"], training.load_split(paths, "user_holdout").x[:2])
-            if model_uri:
-                record["registry_version"] = tracker.register_model(model_uri, cfg.tracking.registered_model,
-                                                                    tracking.IN_SERVICE_ALIAS)
-            version = promote(files, {"job": record, "evaluate": json.loads(paths.metrics("evaluate").read_text())},
-                              promoted, state / "models")
-            record["version"] = paths.show(version)
-        _log(state, record)
-        for path in (root / "params.yaml", root / "dvc.lock", paths.metrics("evaluate"), promoted / "metrics.json"):
-            tracker.log_artifact(path, "job")
-    verb = "promoted" if d.promote else "kept the current model"
-    print(f"retrain: {verb}: {d.reason}" + (f" -> {paths.show(promoted)}/" if d.promote else f"; {paths.show(promoted)}/ unchanged"
-                                             if info is not None else ""))
-    return 0
+    tracker.log_metrics({"candidate.user_holdout.accuracy": d.candidate, "current.user_holdout.accuracy": d.current,
+                         "candidate.global_test.accuracy": candidate["global_test.personalized.accuracy"],
+                         "current.global_test.accuracy": current["global_test"],
+                         "candidate.forgetting": candidate["forgetting"], "promoted": int(d.promote)})
+
+
+def _paths(candidate: Candidate):
+    from pipeline.paths import Paths
+
+    return Paths(candidate.root)
 
 
 def _run(cmd: list[str], root: Path, env: dict) -> int:
@@ -351,35 +424,23 @@ def _last(state: Path) -> dict | None:
         return None
 
 
-def _log(state: Path, record: dict) -> None:
-    from pipeline.io import atomic_write_text
-
-    state.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record, sort_keys=True)
-    with open(state / "history.jsonl", "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-    atomic_write_text(state / "last.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
-
-
 # --------------------------------------------------------------------------- entry point
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline.retrain", description=__doc__.split("\n\n")[0],
+                                epilog="Every other argument is a Hydra override of conf/ (key=value, group=option), "
+                                       "passed on to the experiment as dvc exp run -S.")
+    p.add_argument("--force", action="store_true", help="retrain on data whose candidate was kept out before")
+    p.add_argument("--wait", type=float, metavar="SECONDS", help="wait this long for a running job (default: retrain.wait_seconds)")
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(__doc__)
-        return 0
-    force = "--force" in args
-    args = [a for a in args if a != "--force"]
-    wait = None
-    if "--wait" in args:
-        i = args.index("--wait")
-        try:
-            wait = float(args[i + 1])
-        except (IndexError, ValueError):
-            print("retrain: error: --wait takes a number of seconds", file=sys.stderr)
-            return 2
-        del args[i : i + 2]
+    args, overrides = parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    unknown = [a for a in overrides if a.startswith("-")]
+    if unknown:
+        parser().error(f"unrecognized arguments: {' '.join(unknown)} (overrides are key=value)")
     previous = signal.signal(signal.SIGTERM, _terminate)  # a scheduler's stop is an interrupt: clean up, keep the model
     try:
         from odt_ops.errors import OdtError
@@ -387,10 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pipeline.paths import project_root
 
         try:
-            cfg = config.load(args)
+            cfg = config.load(overrides)
             root = project_root()
-            with job_lock(Path(root) / cfg.retrain.state_dir / "lock", cfg.retrain.wait_seconds if wait is None else wait):
-                return run_job(cfg, args, force=force, root=Path(root))
+            with job_lock(Path(root) / cfg.retrain.state_dir / "lock", cfg.retrain.wait_seconds if args.wait is None else args.wait):
+                return run_job(cfg, overrides, force=args.force, root=Path(root))
         except Busy as exc:
             print(f"retrain: {exc}; exiting (a scheduler retries later; --wait SECONDS waits for it)", file=sys.stderr)
             return EXIT_BUSY

@@ -25,7 +25,7 @@ from odt_ops import meta
 from odt_ops.api import ConstantLRScheduler, CosineLRScheduler, LinearLRScheduler, LRScheduler
 from pipeline.config import MISSING, OPTIMIZER, Section
 from pipeline.errors import DataError
-from pipeline.io import load_npz
+from pipeline.io import load_npz, verify_digest
 from pipeline.paths import Artifacts, Paths
 
 # --------------------------------------------------------------------------- the optimizer section
@@ -56,7 +56,7 @@ class OptimizerConfig(Section):
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     def check(self) -> None:
-        self.need(self.lr > 0, "lr", "a number > 0")
+        self.need(math.isfinite(self.lr) and self.lr > 0, "lr", "a finite number > 0")
 
 
 def scheduler(optimizer, opt_cfg, total_steps: int) -> LRScheduler:
@@ -93,7 +93,21 @@ def generated(paths: Paths) -> Artifacts:
     for path in gen.required():
         if not path.is_file():
             raise DataError(f"{paths.show(path)}: generate's artifact not found; run the pipeline from the start (dvc repro)")
+        verify_digest(path, paths.show(path))
     return gen
+
+
+def model_proto(path: Path, paths: Paths) -> onnx.ModelProto:
+    """An ONNX file's protobuf, weights left outside; a truncated or garbage file is a
+    DataError naming it (protobuf's DecodeError otherwise escapes as a traceback)."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except (DecodeError, OSError, ValueError, RuntimeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"{paths.show(path)}: not a readable ONNX model ({reason}); rerun the stage that writes it "
+                        "(dvc repro -f), or check the file you pointed at") from None
 
 
 
@@ -110,6 +124,7 @@ class Split:
 
 def load_split(paths: Paths, name: str) -> Split:
     path = paths.split(name)
+    verify_digest(path, paths.show(path))
     arrays = load_npz(path, ("x", "y"), what="prepare output")
     x, y = arrays["x"], arrays["y"]
     if x.dtype != np.float32 or y.dtype.kind not in "iu" or len(x) != len(y):
@@ -120,7 +135,7 @@ def load_split(paths: Paths, name: str) -> Split:
 
 def check_fits(split: Split, model_path: Path, paths: Paths) -> None:
     """The split's samples have the shape the model's first input takes; names both files."""
-    proto = onnx.load(str(model_path), load_external_data=False)
+    proto = model_proto(model_path, paths)
     inits = {t.name for t in proto.graph.initializer}
     spec = next(i for i in proto.graph.input if i.name not in inits)
     dims = [d.dim_value if d.HasField("dim_value") else None for d in spec.type.tensor_type.shape.dim]
@@ -133,10 +148,10 @@ def check_fits(split: Split, model_path: Path, paths: Paths) -> None:
         )
 
 
-def target_encoder(model_path: Path) -> Callable[[np.ndarray], np.ndarray]:
+def target_encoder(model_path: Path, paths: Paths | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """Labels as the artifacts' label input takes them: class ids (cross-entropy) or
     one-hot float rows (mse, l1, bce_with_logits), read from the model's metadata."""
-    proto = onnx.load(str(model_path), load_external_data=False)
+    proto = model_proto(model_path, paths or Paths.default())
     info = meta.read(proto, str(model_path))
     (label,) = info.labels
     value = next(i for i in proto.graph.input if i.name == label)

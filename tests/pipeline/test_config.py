@@ -94,7 +94,9 @@ def test_sections_are_typed_dataclasses_with_every_value_from_conf():
         # a nested section's check names the whole path
         (["data.style.stroke=-1"], ["data.style.stroke=-1", "an integer >= 0"]),
         (["federated.dp.clipping_norm=0"], ["federated.dp.clipping_norm=0.0", "a number > 0"]),
-        (["optimizer.lr=-1"], ["optimizer.lr=-1.0", "a number > 0"]),
+        (["optimizer.lr=-1"], ["optimizer.lr=-1.0", "a finite number > 0"]),
+        (["optimizer.lr=inf"], ["optimizer.lr=inf", "a finite number > 0"]),
+        (["optimizer.lr=nan"], ["optimizer.lr=nan", "a finite number > 0"]),
         (["trainable.select=globs"], ["trainable.params", "at least one glob"]),
         (["model=onnx_file", "model.path=null"], ["model.path=null", "zoo:<name>"]),
         (["optimizer.lr"], ["optimizer.lr", "Hydra grammar"]),

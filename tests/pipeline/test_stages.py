@@ -18,7 +18,7 @@ from odt_ops.checkpoint import load_checkpoint
 from odt_ops.export import apply_diff, load_diff
 from pipeline import convert, evaluate, export, generate, pretrain, train
 from pipeline.errors import ConfigError, DataError
-from pipeline.io import load_npz, save_npz, sha256_file
+from pipeline.io import load_npz, save_npz, sha256_file, write_digests
 from pipeline.paths import Paths
 from tests.pipeline.conftest import REPO, TINY_RUN, copy_outputs, load_cfg, run_stages
 
@@ -213,6 +213,7 @@ def test_data_that_does_not_fit_the_model_names_the_file(tiny_run, tmp_path):
     paths = copy_outputs(tiny_run, tmp_path, stages=("prepare", "generate"))
     data = load_npz(paths.split("user_train"))
     save_npz(paths.split("user_train"), x=data["x"][:, :, :7, :7].copy(), y=data["y"])
+    write_digests(paths.out("prepare"))  # as if prepare had written it
     with pytest.raises(DataError) as info:
         train.run(load_cfg(*TINY_RUN), paths)
     for needle in ("data/prepare/user_train.npz", "[1, 7, 7]", "'input' [batch, 1, 8, 8]", "data.input_shape"):
