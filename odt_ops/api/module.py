@@ -22,6 +22,7 @@ from odt_ops.api.checkpoint_state import CheckpointState
 from odt_ops.api.training_state import CompiledStep, FlatBuffers, TrainingState
 from odt_ops.errors import ArtifactError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
 from odt_ops.ir.load import read_model
+from odt_ops.ir.model import tensor_to_array
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
 
@@ -123,19 +124,22 @@ class Module:
         self._info = meta.read(train.proto, train.source)
         self._bind(train.proto.graph, train.source)
         # the compiled train and eval steps (read by diagnostics such as odt_ops.benchmark.profile)
-        self.compiled_train: CompiledStep = self._compile(train.proto, self._info, training=True, source=train.source)
+        self.compiled_train: CompiledStep = self._compile(train.proto, self._info, training=True, source=train.source,
+                                            base_dir=train.base_dir)
         self.compiled_eval: CompiledStep | None = None
         self._eval_proto = None
         if eval_model_uri is not None:
             ev = read_model(eval_model_uri)
             self._eval_proto = ev.proto
             self._eval_info = meta.read(ev.proto, ev.source)
-            self.compiled_eval = self._compile(ev.proto, self._eval_info, training=False, source=ev.source)
+            self.compiled_eval = self._compile(ev.proto, self._eval_info, training=False, source=ev.source,
+                                               base_dir=ev.base_dir)
         self.training = True
         self._reset_grad = True
 
     # ---- construction -------------------------------------------------------------------
-    def _compile(self, proto: onnx.ModelProto, info: meta.ArtifactInfo, *, training: bool, source: str) -> CompiledStep:
+    def _compile(self, proto: onnx.ModelProto, info: meta.ArtifactInfo, *, training: bool, source: str,
+                 base_dir: str | None = None) -> CompiledStep:
         graph = proto.graph
         _check_roles(info, graph, source, training)
         specs = {v.name: ValueSpec.of(v) for v in graph.input}
@@ -151,7 +155,8 @@ class Module:
         if info.unfed_inputs:
             graph = _without_readers_of(graph, set(info.unfed_inputs))
         opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
-        constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+        # ours, not onnx's to_array: it reads external data relative to the working directory
+        constants = {t.name: tensor_to_array(t, base_dir, source) for t in graph.initializer}
         try:
             plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng,
                         destinations=destinations, checks=checks)
