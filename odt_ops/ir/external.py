@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
+from odt_ops import confined
 from odt_ops.errors import ModelLoadError
-
-_KEYS = ("location", "offset", "length", "checksum")
 
 
 @dataclass(frozen=True)
@@ -71,15 +69,7 @@ def resolve(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> Exte
             f"{source}: initializer {name!r} keeps its data in the external file {location!r}, and a model given as bytes "
             "or as a ModelProto has no folder to find it in; pass base_dir= (the folder holding the data file) or load "
             "the model from its path")
-    if not location or os.path.isabs(location) or "\0" in location or "\\" in location \
-            or ".." in location.split("/"):
-        raise ModelLoadError(f"{source}: initializer {name!r} has an unsafe external data location {location!r}; "
-                             "external data must be a file inside the model's folder")
-    folder = os.path.realpath(base_dir)
-    real = os.path.realpath(os.path.join(folder, location))
-    if os.path.commonpath([folder, real]) != folder or real == folder:
-        raise ModelLoadError(f"{source}: the external data location {location!r} of initializer {name!r} leads outside "
-                             f"the model's folder {folder} (through a symlink); refusing to read it")
+    real = confined.resolve_inside(base_dir, location, ModelLoadError, f"{source}: external data of initializer {name!r}")
     offset, length = (_count(info.get(k, "0" if k == "offset" else None), k, name, source) for k in ("offset", "length"))
     dtype, shape = tensor_dtype(tensor, source), tensor_shape(tensor, source)
     if dtype.hasobject:
@@ -105,7 +95,7 @@ def map_external(tensor: onnx.TensorProto, base_dir: str | None, source: str) ->
     """The tensor's external bytes, memory-mapped read-only (vetted by ``resolve`` first)."""
     ref = resolve(tensor, base_dir, source)
     dtype, shape = tensor_dtype(tensor, source), tensor_shape(tensor, source)
-    with _open_regular(ref.path, tensor.name, source) as f:
+    with confined.open_regular(ref.path, ModelLoadError, f"{source}: external data of initializer {tensor.name!r}") as f:
         size = os.fstat(f.fileno()).st_size
         if ref.offset + ref.nbytes > size:
             raise ModelLoadError(f"{source}: external data file {ref.path!r} ({size} bytes) is too short for initializer "
@@ -119,25 +109,6 @@ def read_external(tensor: onnx.TensorProto, base_dir: str | None, source: str) -
     """The tensor's external bytes as a copy (for small tensors moved into the model)."""
     array = map_external(tensor, base_dir, source)
     return np.ascontiguousarray(array).tobytes()
-
-
-def _open_regular(path: str, name: str, source: str):
-    """Open ``path`` for reading without following a symlink swapped in since ``resolve`` and
-    without blocking on a FIFO; refuse anything that is not a regular file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise ModelLoadError(f"{source}: external data file {path!r} of initializer {name!r} is missing; keep the data "
-                             "file next to the model") from None
-    except OSError as exc:
-        raise ModelLoadError(f"{source}: cannot open external data file {path!r} of initializer {name!r}: "
-                             f"{exc.strerror or exc}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise ModelLoadError(f"{source}: external data of initializer {name!r} is {path!r}, which is not a regular file "
-                             "(a directory, device, FIFO or socket); refusing to read it")
-    return os.fdopen(fd, "rb")
 
 
 def walk_tensors(model: onnx.ModelProto):

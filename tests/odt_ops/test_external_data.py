@@ -60,14 +60,14 @@ def test_a_symlink_leading_out_of_the_folder_is_refused_unread(layout):
     folder, out = layout
     os.symlink(out / "secret.bin", folder / "weights.bin")
     _model_with_external(folder, "weights.bin")
-    _load_refused(folder, "outside the model's folder")
+    _load_refused(folder, "leads outside the folder")
 
 
 def test_a_path_through_a_symlinked_sub_folder_is_refused_unread(layout):
     folder, out = layout
     os.symlink(out, folder / "sub")
     _model_with_external(folder, "sub/secret.bin")
-    _load_refused(folder, "outside the model's folder")
+    _load_refused(folder, "leads outside the folder")
 
 
 def test_a_symlink_that_stays_inside_the_folder_is_read(layout):
@@ -88,7 +88,7 @@ def test_onnx_path_traversal_cases_are_refused_unread(layout, location):
     folder, out = layout
     (folder / "data").mkdir()
     _model_with_external(folder, str(out / "secret.bin") if location == "ABSOLUTE" else location)
-    _load_refused(folder, "unsafe external data location")
+    _load_refused(folder, "unsafe location")
 
 
 @pytest.mark.parametrize("kind", ["directory", "fifo", "device"])
@@ -102,7 +102,7 @@ def test_directories_devices_and_fifos_are_refused(layout, kind):
     else:
         os.symlink("/dev/zero", target)
     _model_with_external(folder, "w.bin")
-    _load_refused(folder, "not a regular file" if kind != "device" else "outside the model's folder")
+    _load_refused(folder, "not a regular file" if kind != "device" else "leads outside the folder")
 
 
 @pytest.mark.parametrize("key,value", [("offset", "abc"), ("offset", "-4"), ("offset", "1e3"), ("offset", "9" * 30),
@@ -165,3 +165,26 @@ def test_an_artifact_constant_with_external_data_is_not_read_from_the_working_di
     with watching() as opened, pytest.raises(ModelLoadError, match="const.bin"):
         Module(d / "training_model.onnx", state, d / "eval_model.onnx")
     assert not outside(opened, d), outside(opened, d)
+
+
+@pytest.mark.parametrize("kind", ["symlink out", "directory"])
+def test_an_onnx_runtime_checkpoint_reads_its_data_file_only_from_its_folder(tmp_path, kind):
+    """ONNX Runtime's checkpoint keeps large tensors in ``checkpoint.data`` beside it."""
+    import shutil
+
+    from odt_ops.checkpoint import load_checkpoint
+    from odt_ops.errors import CheckpointError
+
+    fixtures = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ort", "mlp_external")
+    folder, out = tmp_path / "device", tmp_path / "elsewhere"
+    folder.mkdir()
+    out.mkdir()
+    shutil.copy(os.path.join(fixtures, "checkpoint"), folder / "checkpoint")
+    if kind == "symlink out":
+        shutil.copy(os.path.join(fixtures, "checkpoint.data"), out / "secret.data")  # readable, right size: only the path is wrong
+        os.symlink(out / "secret.data", folder / "checkpoint.data")
+    else:
+        (folder / "checkpoint.data").mkdir()
+    with watching() as opened, pytest.raises(CheckpointError, match="checkpoint"):
+        load_checkpoint(folder / "checkpoint")
+    assert not outside(opened, folder), outside(opened, folder)
