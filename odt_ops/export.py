@@ -140,15 +140,16 @@ def apply_diff(base, diff: ModelDiff | str | os.PathLike) -> Checkpoint:
     wrong names, shapes, dtypes or non-finite values, naming what is wrong."""
     b = _as_checkpoint(base)
     d = diff if isinstance(diff, ModelDiff) else load_diff(diff)
-    _check_finite(d.deltas, "model difference")
+    where = "the model difference" if isinstance(diff, ModelDiff) else f"{diff}: the model difference"
+    _check_finite(d.deltas, where)
     problems = [f"{n}: not a parameter of the base" for n in d.deltas if n not in b.parameters]
     for n, delta in d.deltas.items():
         if n in b.parameters and (b.parameters[n].shape != delta.shape or b.parameters[n].dtype != delta.dtype):
             problems.append(f"{n}: base has {b.parameters[n].dtype}{list(b.parameters[n].shape)}, the difference {delta.dtype}{list(delta.shape)}")
     if problems:
-        raise ModelDiffError("the model difference does not fit this base:\n  " + "\n  ".join(problems))
+        raise ModelDiffError(f"{where} does not fit this base:\n  " + "\n  ".join(problems))
     if _fingerprint(b.parameters, list(d.deltas)) != d.base_hash:
-        raise ModelDiffError("the model difference was made from another base model (base hash mismatch); apply it to the checkpoint it was computed against")
+        raise ModelDiffError(f"{where} was made from another base model (base hash mismatch); apply it to the checkpoint it was computed against")
     params = {n: (np.asarray(a) + d.deltas[n]).astype(a.dtype, copy=False) if n in d.deltas else np.array(a) for n, a in b.parameters.items()}
     return Checkpoint(parameters=params, requires_grad=dict(b.requires_grad), buffers={n: np.array(a) for n, a in b.buffers.items()},
                       properties=dict(b.properties))

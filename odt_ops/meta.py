@@ -57,8 +57,9 @@ def _get(proto: onnx.ModelProto, key: str, what: str) -> dict:
         if prop.key == key:
             try:
                 data = json.loads(prop.value)
-            except ValueError as exc:
-                raise ArtifactError(f"{what}: the {key!r} metadata is not JSON ({exc}); the file is damaged") from None
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than json parses
+                raise ArtifactError(f"{what}: the {key!r} metadata is not JSON ({type(exc).__name__}: {str(exc)[:200]}); "
+                                    "the file is damaged") from None
             if not isinstance(data, dict):
                 raise ArtifactError(f"{what}: the {key!r} metadata is a {type(data).__name__}, not a mapping; the file is damaged")
             version = data.get("version", 0)

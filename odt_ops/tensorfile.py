@@ -52,6 +52,7 @@ def _member(name: str) -> zipfile.ZipInfo:
 # A manifest names tensors and a few scalars: ~150 bytes a tensor, so this is far beyond any real
 # one, and keeps a hostile one from costing more than a moment and some tens of MiB to parse.
 MAX_MANIFEST_BYTES = 16 << 20
+MAX_NPY_HEADER = 1 << 16  # numpy's own reader refuses headers over 10,000 bytes
 _LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
 
 
@@ -141,7 +142,10 @@ def numeric_dtype(text: object) -> np.dtype | None:
         dtype = np.dtype(text)
     except (TypeError, ValueError, SyntaxError):
         return None
-    return dtype if dtype.kind in "biufc" and dtype.shape == () and dtype.names is None else None
+    # native byte order only: the writer stores arrays as they are in memory, and a swapped dtype would
+    # pass every check here and then fail to match the model's parameters far from the file
+    native = dtype.byteorder in ("=", "|") or dtype == dtype.newbyteorder("=")
+    return dtype if dtype.kind in "biufc" and dtype.shape == () and dtype.names is None and native else None
 
 
 def _map_member(path: Path, info: zipfile.ZipInfo, entry: dict, error: type[OdtError]) -> np.ndarray:
@@ -161,6 +165,13 @@ def _map_member(path: Path, info: zipfile.ZipInfo, entry: dict, error: type[OdtE
             version = np.lib.format.read_magic(f)
             if version not in ((1, 0), (2, 0)):
                 raise ValueError(f"npy format version {version} (ODT writes 1.0 or 2.0)")
+            # numpy would read the header's declared length in one go (2.0 allows 4 GiB) before it
+            # checks it: bound it by the member first
+            width = 2 if version == (1, 0) else 4
+            declared = int.from_bytes(f.read(width), "little")
+            if declared > min(info.file_size, MAX_NPY_HEADER):
+                raise ValueError(f"the header declares {declared} bytes, past its member or the {MAX_NPY_HEADER}-byte limit")
+            f.seek(-width, os.SEEK_CUR)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             shape, fortran, dtype = read_header(f)
         except Exception as exc:  # noqa: BLE001 - numpy tokenizes and literal_evals the header: ValueError,

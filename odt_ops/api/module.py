@@ -21,7 +21,7 @@ from odt_ops import meta
 from odt_ops.api.checkpoint_state import CheckpointState
 from odt_ops.api.training_state import CompiledStep, FlatBuffers, TrainingState
 from odt_ops.errors import ArtifactError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
-from odt_ops.ir.load import read_model
+from odt_ops.ir.load import check_artifact, read_model
 from odt_ops.ir.model import tensor_to_array
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
@@ -121,6 +121,7 @@ class Module:
         # one generator for every random draw (Dropout masks), so a seed makes a run repeatable
         self._rng = np.random.default_rng(seed)
         train = read_model(train_model_uri)
+        check_artifact(train)  # a damaged artifact fails here, naming its file, not in a kernel
         self._info = meta.read(train.proto, train.source)
         self._bind(train.proto.graph, train.source)
         # the compiled train and eval steps (read by diagnostics such as odt_ops.benchmark.profile)
@@ -130,6 +131,7 @@ class Module:
         self._eval_proto = None
         if eval_model_uri is not None:
             ev = read_model(eval_model_uri)
+            check_artifact(ev)
             self._eval_proto = ev.proto
             self._eval_info = meta.read(ev.proto, ev.source)
             self.compiled_eval = self._compile(ev.proto, self._eval_info, training=False, source=ev.source,
@@ -159,7 +161,7 @@ class Module:
         constants = {t.name: tensor_to_array(t, base_dir, source) for t in graph.initializer}
         try:
             plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng,
-                        destinations=destinations, checks=checks)
+                        destinations=destinations, checks=checks, source=source)
         except ModelCheckError as exc:  # the artifact's graph itself is broken: say which file
             raise ModelCheckError(f"{source}: {exc}") from None
         except UnsupportedOpError as exc:

@@ -104,7 +104,10 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
     if batch_dim:
         passes.symbolic_batch_dim(model, batch_dim)
     with _weights_aside(model):
-        passes.infer_shapes(model)
+        try:
+            passes.infer_shapes(model)
+        except ValueError as exc:  # onnx's C++ inference on an invalid data type
+            raise ModelCheckError(f"{model.source}: shape inference fails: {exc}") from None
     passes.fold_constants(model)  # Shape of now-known static shapes
     passes.prune_unused(model)
     model.proto.ir_version = ir_version_for(model.opset)
@@ -181,8 +184,17 @@ def ir_version_for(opset: int) -> int:
 def _check(model: Model, *, full: bool) -> None:
     try:
         onnx.checker.check_model(model.proto, full_check=full)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as exc:
+        # ValueError: onnx's C++ code on an invalid data type ("Invalid tensor data type 999.")
         raise ModelCheckError(f"{model.source}: fails onnx.checker: {exc}") from None
+
+
+def check_artifact(model: Model) -> None:
+    """onnx.checker's full check (strict shape inference) of an artifact read from a file: every
+    artifact we write passes it, and a damaged one (an op swapped, an attribute retyped, an input
+    renamed) fails here, naming the file, instead of inside a kernel at the first step."""
+    with _weights_aside(model):
+        _check(model, full=True)
 
 
 def _convert(model: Model, target: int) -> None:

@@ -78,6 +78,7 @@ class InferenceSession:
             [v.name for v in self.inputs],
             [v.name for v in self.outputs],
             rng=self._rng,
+            source=self.model.source,
         )
 
     def input_names(self) -> list[str]:

@@ -64,7 +64,7 @@ def damage_json(value, rng: np.random.Generator, depth: int = 0):
         return value[:i] + [damage_json(value[i], rng, depth + 1)] + value[i + 1:]
     if isinstance(value, str) and value[:1] in "{[" and rng.random() < 0.8:  # JSON inside a string (the generator state)
         try:
-            return json.dumps(damage_json(json.loads(value), rng, depth + 1))
+            return dumps(damage_json(json.loads(value), rng, depth + 1)).decode()
         except ValueError:
             pass
     if isinstance(value, int) and not isinstance(value, bool) and rng.random() < 0.5:

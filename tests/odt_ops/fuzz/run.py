@@ -50,6 +50,7 @@ class Fuzzer:
 
     def __init__(self, root: Path, seed: int):
         self.root, self.seed = root, seed
+        self.trace = False  # print each error's traceback (one case rerun by hand)
         self.originals = originals.build(root / "originals")
         self.outside = root / "outside"
         self.outside.mkdir()
@@ -83,6 +84,10 @@ class Fuzzer:
                     use(self, case)
                 except Exception as exc:  # noqa: BLE001 - classifying what escapes is the point
                     error = exc
+                    if self.trace:
+                        import traceback
+
+                        traceback.print_exc()
         finally:
             elapsed = time.perf_counter() - start
             peak = tracemalloc.get_traced_memory()[1]
@@ -164,8 +169,8 @@ def use_nominal(fuzzer: Fuzzer, case: Path) -> None:
 def use_diff(fuzzer: Fuzzer, case: Path) -> None:
     from odt_ops.export import aggregate, apply_diff, load_diff
 
-    diff = load_diff(case / "update.odtdiff")
-    apply_diff(case / "checkpoint", aggregate([diff, diff]))
+    aggregate([load_diff(case / "update.odtdiff")] * 2)
+    apply_diff(case / "checkpoint", case / "update.odtdiff")
 
 
 def use_artifacts(fuzzer: Fuzzer, case: Path) -> None:
@@ -227,7 +232,14 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=20)
     parser.add_argument("--show", type=int, default=0, help="print the first N failures in full")
+    parser.add_argument("--case", type=int, help="rerun this one case and print its traceback")
     args = parser.parse_args()
+    if args.case is not None:
+        with tempfile.TemporaryDirectory(prefix="odt-fuzz-") as tmp:
+            fuzzer = Fuzzer(Path(tmp), args.seed)
+            fuzzer.trace = True
+            print(fuzzer.run(args.case))
+        return
     start = time.perf_counter()
     results = fuzz(args.cases, args.seed)
     print(summary(results))
