@@ -122,7 +122,8 @@ def load_diff(path: str | os.PathLike) -> ModelDiff:
     deltas = {entry["name"]: np.asarray(array) for entry, array in tensors}
     _check_finite(deltas, str(path))
     fields = {"base_hash": str, "num_examples": int, "num_steps": int, "metadata": dict}
-    wrong = [k for k, kind in fields.items() if k in manifest and not isinstance(manifest[k], kind) or isinstance(manifest.get(k), bool)]
+    wrong = [k for k, kind in fields.items() if k in manifest and not isinstance(manifest[k], kind) or isinstance(manifest.get(k), bool)
+             or kind is int and isinstance(manifest.get(k), int) and manifest[k] < 0]  # counts: a negative one breaks weighting
     if wrong:
         raise ModelDiffError(f"{path}: the model difference's manifest has {wrong} of the wrong kind; the file is damaged")
     return ModelDiff(deltas, manifest.get("base_hash", ""), manifest.get("num_examples", 0), manifest.get("num_steps", 0),

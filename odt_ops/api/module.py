@@ -123,6 +123,7 @@ class Module:
         train = read_model(train_model_uri)
         check_artifact(train)  # a damaged artifact fails here, naming its file, not in a kernel
         self._info = meta.read(train.proto, train.source)
+        _check_roles(self._info, train.proto.graph, train.source, True)  # before _bind looks the roles up
         self._bind(train.proto.graph, train.source)
         # the compiled train and eval steps (read by diagnostics such as odt_ops.benchmark.profile)
         self.compiled_train: CompiledStep = self._compile(train.proto, self._info, training=True, source=train.source,

@@ -103,8 +103,14 @@ def tensorfile(data: bytes, rng: np.random.Generator, outside: str = "") -> Dama
     members = zipcraft.read_members(data)
     manifest_at = next(i for i, m in enumerate(members) if m.name == "manifest.json")
     tensors = [i for i, m in enumerate(members) if m.name.endswith(".npy")]
-    kind = pick(rng, ["manifest", "manifest", "manifest", "entry", "npy", "npy", "zip", "bomb", "bytes"])
+    kind = pick(rng, ["manifest", "manifest", "entry", "engine", "retensor", "retensor", "npy", "npy", "zip", "bomb", "bytes"])
     manifest = json.loads(members[manifest_at].data)
+    if kind == "engine" and isinstance(manifest.get("engine"), dict):
+        manifest["engine"]["rng_state"] = engine_state(manifest["engine"].get("rng_state", "{}"), rng)
+        members[manifest_at] = zipcraft.Member("manifest.json", dumps(manifest))
+        return Damage(zipcraft.build(members), "engine rng_state")
+    if kind == "retensor" and manifest.get("tensors"):
+        return retensor(members, manifest_at, manifest, rng)
     if kind == "manifest":
         members[manifest_at] = zipcraft.Member("manifest.json", dumps(damage_json(manifest, rng)))
         return Damage(zipcraft.build(members), "manifest json")
@@ -185,6 +191,59 @@ def tensorfile(data: bytes, rng: np.random.Generator, outside: str = "") -> Dama
     return Damage(raw_bytes(data, rng), "bytes")
 
 
+def engine_state(text: str, rng: np.random.Generator) -> str:
+    """The saved Dropout generator state (numpy's PCG64 state as JSON), damaged in its fields."""
+    try:
+        state = json.loads(text)
+    except ValueError:
+        state = {}
+    if rng.random() < 0.3 or not isinstance(state, dict):
+        return pick(rng, ["", "nope", "[]", "{}", "null", '{"bit_generator": "MT19937", "state": {"key": [1], "pos": 0}}'])
+    inner = state.get("state") if isinstance(state.get("state"), dict) else {}
+    field_ = pick(rng, ["bit_generator", "state", "has_uint32", "uinteger", "state.state", "state.inc"])
+    value = pick(rng, JUNK + [-1, 2**128, "PCG64"])
+    if field_.startswith("state."):
+        inner = dict(inner)
+        inner[field_[6:]] = value
+        state["state"] = inner
+    else:
+        state[field_] = value
+    return dumps(state).decode()
+
+
+def retensor(members: list, manifest_at: int, manifest: dict, rng: np.random.Generator) -> Damage:
+    """Replace one tensor by a well-formed one of another shape, dtype or value (NaN, huge),
+    manifest and npy header agreeing, so the damage reaches the checks of what the file means."""
+    import io
+
+    entries = manifest["tensors"]
+    entry = entries[int(rng.integers(len(entries)))]
+    shape = list(entry["shape"])
+    action = pick(rng, ["shape", "dtype", "nan", "huge", "scalar", "kind", "name"])
+    dtype = np.dtype(entry["dtype"])
+    if action == "shape":
+        shape = shape[:-1] if shape and rng.random() < 0.3 else (shape or [1])[:-1] + [int(rng.integers(0, 9))]
+    elif action == "dtype":
+        dtype = np.dtype(pick(rng, ["<f8", "<f2", "<i8", "<i4", "|u1", "|b1", "<c8"]))
+    elif action == "scalar":
+        shape = []
+    array = np.zeros(shape, dtype)
+    if action == "nan" and array.size and dtype.kind == "f":
+        array.flat[int(rng.integers(array.size))] = np.nan
+    elif action == "huge" and array.size and dtype.kind == "f":
+        array[...] = np.finfo(dtype).max
+    if action == "kind":
+        entry["kind"] = pick(rng, ["parameter", "buffer", "optimizer", "other"])
+    elif action == "name":
+        entry["name"] = pick(rng, ["fc0.weight", "fc1.bias", "fc9.weight", "", entries[0]["name"]])
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, allow_pickle=False)
+    entry["shape"], entry["dtype"] = list(array.shape), array.dtype.str
+    members = [zipcraft.Member(m.name, buf.getvalue()) if m.name == entry["key"] + ".npy" else m for m in members]
+    members[manifest_at] = zipcraft.Member("manifest.json", dumps(manifest))
+    return Damage(zipcraft.build(members), f"retensor {action}")
+
+
 def raw_bytes(data: bytes, rng: np.random.Generator) -> bytes:
     kind = int(rng.integers(3))
     if kind == 0:
@@ -232,8 +291,21 @@ def onnx_model(data: bytes, rng: np.random.Generator, outside: str = "") -> Dama
         return Damage(model.SerializeToString(), f"onnx initializer {action}")
     if kind == "metadata" and model.metadata_props:
         prop = pick(rng, list(model.metadata_props))
-        action = pick(rng, ["json", "json", "deep", "truncate", "utf8"])
-        if action == "json":
+        action = pick(rng, ["json", "json", "names", "names", "deep", "truncate", "utf8"])
+        if action == "names":  # a name added to or dropped from one of the metadata's lists
+            try:
+                data = json.loads(prop.value)
+            except ValueError:
+                data = {}
+            lists = [k for k, v in data.items() if isinstance(v, list)] if isinstance(data, dict) else []
+            if lists:
+                key = pick(rng, lists)
+                if data[key] and rng.random() < 0.4:
+                    data[key] = data[key][1:]
+                else:
+                    data[key] = data[key] + [pick(rng, ["fc9.weight", "input", "labels", "loss", "fc0.weight"])]
+                prop.value = json.dumps(data)
+        elif action == "json":
             try:
                 prop.value = dumps(damage_json(json.loads(prop.value), rng)).decode()
             except ValueError:
