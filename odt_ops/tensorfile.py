@@ -52,7 +52,7 @@ def _member(name: str) -> zipfile.ZipInfo:
 # A manifest names tensors and a few scalars: ~150 bytes a tensor, so this is far beyond any real
 # one, and keeps a hostile one from costing more than a moment and some tens of MiB to parse.
 MAX_MANIFEST_BYTES = 16 << 20
-MAX_NPY_HEADER = 1 << 16  # numpy's own reader refuses headers over 10,000 bytes
+MAX_NPY_HEADER = 4096  # a numeric array's header takes ~128 bytes (numpy's own limit is 10,000)
 _LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
 
 
@@ -171,7 +171,12 @@ def _map_member(path: Path, info: zipfile.ZipInfo, entry: dict, error: type[OdtE
             declared = int.from_bytes(f.read(width), "little")
             if declared > min(info.file_size, MAX_NPY_HEADER):
                 raise ValueError(f"the header declares {declared} bytes, past its member or the {MAX_NPY_HEADER}-byte limit")
-            f.seek(-width, os.SEEK_CUR)
+            # a numeric array's header is one flat dict with a shape tuple; deep nesting would only
+            # make numpy's tokenizer and literal_eval spend seconds before refusing it
+            header = f.read(declared)
+            if sum(header.count(c) for c in b"([{") > 2:
+                raise ValueError("the header nests brackets; a numeric array's header is {'descr', 'fortran_order', 'shape'}")
+            f.seek(-(width + declared), os.SEEK_CUR)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             shape, fortran, dtype = read_header(f)
         except Exception as exc:  # noqa: BLE001 - numpy tokenizes and literal_evals the header: ValueError,
