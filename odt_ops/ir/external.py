@@ -105,10 +105,12 @@ def map_external(tensor: onnx.TensorProto, base_dir: str | None, source: str) ->
         return np.memmap(f, dtype=dtype, mode="r", offset=ref.offset, shape=shape)
 
 
-def read_external(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> bytes:
-    """The tensor's external bytes as a copy (for small tensors moved into the model)."""
-    array = map_external(tensor, base_dir, source)
-    return np.ascontiguousarray(array).tobytes()
+def inline(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> None:
+    """Move the tensor's external bytes into it (vetted and read by ``map_external``)."""
+    data = np.ascontiguousarray(map_external(tensor, base_dir, source)).tobytes()
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    tensor.raw_data = data
 
 
 def walk_tensors(model: onnx.ModelProto):

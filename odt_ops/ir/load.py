@@ -72,10 +72,7 @@ def _vetted(model: Model) -> Model:
         if top_level and _nbytes(tensor) > HEAVY_BYTES:
             external.map_external(tensor, model.base_dir, model.source)  # opens, checks and drops the mapping
             continue
-        data = external.read_external(tensor, model.base_dir, model.source)
-        del tensor.external_data[:]
-        tensor.data_location = onnx.TensorProto.DEFAULT
-        tensor.raw_data = data
+        external.inline(tensor, model.base_dir, model.source)
     return model
 
 

@@ -188,3 +188,26 @@ def test_an_onnx_runtime_checkpoint_reads_its_data_file_only_from_its_folder(tmp
     with watching() as opened, pytest.raises(CheckpointError, match="checkpoint"):
         load_checkpoint(folder / "checkpoint")
     assert not outside(opened, folder), outside(opened, folder)
+
+
+def test_import_ort_reads_eval_model_external_data_only_from_its_folder(tmp_path):
+    """import-ort read ONNX Runtime's eval model with onnx.load; now with our reader."""
+    import shutil
+
+    from odt_ops.ort_import.artifacts import read_ort_artifacts
+
+    fixtures = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ort", "mlp")
+    folder, out = tmp_path / "ort", tmp_path / "elsewhere"
+    shutil.copytree(fixtures, folder)
+    out.mkdir()
+    proto = onnx.load(folder / "eval_model.onnx")  # parameters are its inputs: give it a constant to keep outside
+    proto.graph.initializer.append(numpy_helper.from_array(np.arange(16, dtype=np.float32), "unused_constant"))
+    onnx.save(proto, out / "eval_model.onnx", save_as_external_data=True, location="eval.data", size_threshold=0)
+    os.symlink(out / "eval.data", folder / "eval.data")  # the data is readable and right: only its place is wrong
+    shutil.copy(out / "eval_model.onnx", folder / "eval_model.onnx")
+    with watching() as opened, pytest.raises(ModelLoadError, match="leads outside the folder"):
+        read_ort_artifacts(folder)
+    assert not outside(opened, folder), outside(opened, folder)
+    os.unlink(folder / "eval.data")
+    shutil.copy(out / "eval.data", folder / "eval.data")
+    assert read_ort_artifacts(folder).trainable  # the same files inside the folder import
