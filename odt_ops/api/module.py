@@ -145,7 +145,7 @@ class Module:
                  base_dir: str | None = None) -> CompiledStep:
         graph = proto.graph
         _check_roles(info, graph, source, training)
-        specs = {v.name: ValueSpec.of(v) for v in graph.input}
+        specs = {v.name: ValueSpec.of(v, source) for v in graph.input}
         data_inputs = [*info.user_inputs, *info.labels]
         outputs = [info.loss, *info.extra_outputs]
         destinations, checks = [], {}
@@ -170,7 +170,7 @@ class Module:
         return CompiledStep(plan, tuple(specs[n] for n in data_inputs), 1 + len(info.extra_outputs))
 
     def _bind(self, graph: onnx.GraphProto, source: str) -> None:
-        specs = {v.name: ValueSpec.of(v) for v in graph.input}
+        specs = {v.name: ValueSpec.of(v, source) for v in graph.input}
         info = self._info
         expected = {n: (tuple(specs[n].shape), specs[n].dtype) for n in (*info.parameters, *info.buffers)}
         # a weight that only ever enters Gemm as a transposed B is stored transposed, so BLAS reads
