@@ -178,7 +178,7 @@ class Plan:
             step = self.steps[index]
             values = [frame.f_locals.get(v, frame.f_globals.get(v)) for v in run.step_inputs[index]]
             raise KernelError(
-                (f"{self.source}: " if self.source else "") + f"{node_label(step.node)} failed on inputs ({describe_arrays(values)}): {type(exc).__name__}: {exc}"
+                (f"{self.source}: " if self.source and not self.source.startswith("<") else "") + f"{node_label(step.node)} failed on inputs ({describe_arrays(values)}): {type(exc).__name__}: {exc}"
             ) from exc
 
     def instrument(self, wrap: Callable[[Step, Callable], Callable] | None) -> None:

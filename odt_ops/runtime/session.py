@@ -36,8 +36,8 @@ class ValueSpec:
         return cls(value.name, dtype, shape, source)
 
     @property
-    def _where(self) -> str:
-        return f"{self.source}: " if self.source else ""
+    def _where(self) -> str:  # a file's path; "<bytes>" and "<in-memory model>" add nothing
+        return f"{self.source}: " if self.source and not self.source.startswith("<") else ""
 
     def check(self, value: object) -> np.ndarray:
         """The feed as an array, or InputError naming the input and what was expected."""
