@@ -42,7 +42,8 @@ def export_inference_model(eval_model, checkpoint: Checkpoint, path: str | os.Pa
     types = {v.name: v for v in (*graph.value_info, *graph.output, *graph.input)}
     missing = [n for n in wanted if n not in types and not any(n in node.output for node in graph.node)]
     if missing:
-        raise ArtifactError(f"{missing} are not values of the eval model; the original outputs are {info.inference_outputs}")
+        raise ArtifactError(f"{source.source}: {missing} are not values of the eval model; the original outputs are "
+                            f"{info.inference_outputs}")
     weights = {**checkpoint.parameters, **checkpoint.buffers}
     absent = [n for n in (*info.parameters, *info.buffers) if n not in weights or n in checkpoint.missing]
     if absent:

@@ -22,7 +22,7 @@ from odt_ops.api.checkpoint_state import CheckpointState
 from odt_ops.api.training_state import CompiledStep, FlatBuffers, TrainingState
 from odt_ops.errors import ArtifactError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
 from odt_ops.ir.load import check_artifact, read_model
-from odt_ops.ir.model import tensor_to_array
+from odt_ops.ir.model import Model, tensor_to_array
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
 
@@ -134,6 +134,7 @@ class Module:
             ev = read_model(eval_model_uri)
             check_artifact(ev)
             self._eval_proto = ev.proto
+            self._eval_source = ev.source  # named by the export's errors
             self._eval_info = meta.read(ev.proto, ev.source)
             self.compiled_eval = self._compile(ev.proto, self._eval_info, training=False, source=ev.source,
                                                base_dir=ev.base_dir)
@@ -283,4 +284,5 @@ class Module:
         if self.compiled_eval is None:
             raise InputError("exporting needs the eval model; pass eval_model_uri to Module(...)")
         self.require_loaded()
-        export_inference_model(self._eval_proto, self._state.checkpoint, inference_model_uri, graph_output_names)
+        export_inference_model(Model(self._eval_proto, source=self._eval_source), self._state.checkpoint, inference_model_uri,
+                               graph_output_names)
