@@ -80,7 +80,8 @@ def classify_parameters(model: Model, requires_grad: Sequence[str] | None, froze
                 unknown.append(pattern)
             chosen.extend(h for h in hits if h not in chosen)
         if unknown:
-            raise ArtifactError(f"{what}: {unknown} match no initializer of the model; its initializers are {_preview(names)}")
+            raise ArtifactError(f"{model.source}: {what}: {unknown} match no initializer of the model; its initializers are "
+                                f"{_preview(names)}")
         return chosen
 
     trainable = resolve(requires_grad, "requires_grad")

@@ -8,6 +8,7 @@ generator), kept apart so user code that walks the properties sees only its own.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ def _from_manifest(manifest: dict, tensors: list, path) -> Checkpoint:
     for key, engine_key in LEGACY_ENGINE_PROPERTIES.items():  # files of earlier releases kept it among the user's
         if key in ckpt.properties:
             ckpt.engine.setdefault(engine_key, str(ckpt.properties.pop(key)))
+    _check_rng_state(ckpt.engine, path)
     opt = manifest.get("optimizer")
     if opt is not None:
         ckpt.optimizer = OptimizerState(int(opt["step"]), float(opt["learning_rate"]), float(opt["initial_learning_rate"]))
@@ -153,7 +155,36 @@ def _from_manifest(manifest: dict, tensors: list, path) -> Checkpoint:
             ckpt.optimizer.states.setdefault(name, {})[entry["state"]] = array
         else:
             raise CheckpointError(f"{path}: tensor {name!r} has unexpected kind {kind!r}")
+    if ckpt.optimizer is not None:
+        _check_optimizer_states(ckpt, path)
     return ckpt
+
+
+def _check_optimizer_states(ckpt: Checkpoint, path) -> None:
+    """Every optimizer state belongs to a parameter and has its shape and dtype (the optimizer
+    keeps its moments in buffers laid out like the parameters)."""
+    problems = []
+    for name, states in ckpt.optimizer.states.items():
+        if name not in ckpt.parameters:
+            problems.append(f"{name}: optimizer state for something that is not a parameter of the checkpoint")
+            continue
+        shape, dtype = ckpt.spec(name)
+        problems += [f"{name}: optimizer state {state!r} is {a.dtype}{list(a.shape)}, the parameter {dtype}{list(shape)}"
+                     for state, a in states.items() if tuple(a.shape) != tuple(shape) or a.dtype != dtype]
+    if problems:
+        raise CheckpointError(f"{path}: the checkpoint's optimizer state is damaged:\n  " + "\n  ".join(problems))
+
+
+def _check_rng_state(engine: Mapping[str, str], path) -> None:
+    """The saved Dropout generator state must be one numpy's PCG64 (what Module draws from) accepts;
+    it is restored only when a Module binds the checkpoint, so it is tried on a scratch generator now."""
+    if ENGINE_RNG not in engine:
+        return
+    try:
+        np.random.PCG64().state = json.loads(engine[ENGINE_RNG])
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: the saved random generator state is damaged ({type(exc).__name__}: {str(exc)[:120]}); "
+                              f"delete the engine's {ENGINE_RNG!r} entry to start from a fresh generator") from None
 
 
 def _mapping(manifest: Mapping, key: str, path) -> dict:

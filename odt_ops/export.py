@@ -42,7 +42,8 @@ def export_inference_model(eval_model, checkpoint: Checkpoint, path: str | os.Pa
     types = {v.name: v for v in (*graph.value_info, *graph.output, *graph.input)}
     missing = [n for n in wanted if n not in types and not any(n in node.output for node in graph.node)]
     if missing:
-        raise ArtifactError(f"{missing} are not values of the eval model; the original outputs are {info.inference_outputs}")
+        raise ArtifactError(f"{source.source}: {missing} are not values of the eval model; the original outputs are "
+                            f"{info.inference_outputs}")
     weights = {**checkpoint.parameters, **checkpoint.buffers}
     absent = [n for n in (*info.parameters, *info.buffers) if n not in weights or n in checkpoint.missing]
     if absent:
@@ -122,7 +123,8 @@ def load_diff(path: str | os.PathLike) -> ModelDiff:
     deltas = {entry["name"]: np.asarray(array) for entry, array in tensors}
     _check_finite(deltas, str(path))
     fields = {"base_hash": str, "num_examples": int, "num_steps": int, "metadata": dict}
-    wrong = [k for k, kind in fields.items() if k in manifest and not isinstance(manifest[k], kind) or isinstance(manifest.get(k), bool)]
+    wrong = [k for k, kind in fields.items() if k in manifest and not isinstance(manifest[k], kind) or isinstance(manifest.get(k), bool)
+             or kind is int and isinstance(manifest.get(k), int) and manifest[k] < 0]  # counts: a negative one breaks weighting
     if wrong:
         raise ModelDiffError(f"{path}: the model difference's manifest has {wrong} of the wrong kind; the file is damaged")
     return ModelDiff(deltas, manifest.get("base_hash", ""), manifest.get("num_examples", 0), manifest.get("num_steps", 0),
@@ -140,15 +142,16 @@ def apply_diff(base, diff: ModelDiff | str | os.PathLike) -> Checkpoint:
     wrong names, shapes, dtypes or non-finite values, naming what is wrong."""
     b = _as_checkpoint(base)
     d = diff if isinstance(diff, ModelDiff) else load_diff(diff)
-    _check_finite(d.deltas, "model difference")
+    where = "the model difference" if isinstance(diff, ModelDiff) else f"{diff}: the model difference"
+    _check_finite(d.deltas, where)
     problems = [f"{n}: not a parameter of the base" for n in d.deltas if n not in b.parameters]
     for n, delta in d.deltas.items():
         if n in b.parameters and (b.parameters[n].shape != delta.shape or b.parameters[n].dtype != delta.dtype):
             problems.append(f"{n}: base has {b.parameters[n].dtype}{list(b.parameters[n].shape)}, the difference {delta.dtype}{list(delta.shape)}")
     if problems:
-        raise ModelDiffError("the model difference does not fit this base:\n  " + "\n  ".join(problems))
+        raise ModelDiffError(f"{where} does not fit this base:\n  " + "\n  ".join(problems))
     if _fingerprint(b.parameters, list(d.deltas)) != d.base_hash:
-        raise ModelDiffError("the model difference was made from another base model (base hash mismatch); apply it to the checkpoint it was computed against")
+        raise ModelDiffError(f"{where} was made from another base model (base hash mismatch); apply it to the checkpoint it was computed against")
     params = {n: (np.asarray(a) + d.deltas[n]).astype(a.dtype, copy=False) if n in d.deltas else np.array(a) for n, a in b.parameters.items()}
     return Checkpoint(parameters=params, requires_grad=dict(b.requires_grad), buffers={n: np.array(a) for n, a in b.buffers.items()},
                       properties=dict(b.properties))

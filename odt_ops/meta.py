@@ -57,8 +57,9 @@ def _get(proto: onnx.ModelProto, key: str, what: str) -> dict:
         if prop.key == key:
             try:
                 data = json.loads(prop.value)
-            except ValueError as exc:
-                raise ArtifactError(f"{what}: the {key!r} metadata is not JSON ({exc}); the file is damaged") from None
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than json parses
+                raise ArtifactError(f"{what}: the {key!r} metadata is not JSON ({type(exc).__name__}: {str(exc)[:200]}); "
+                                    "the file is damaged") from None
             if not isinstance(data, dict):
                 raise ArtifactError(f"{what}: the {key!r} metadata is a {type(data).__name__}, not a mapping; the file is damaged")
             version = data.get("version", 0)
@@ -99,6 +100,15 @@ def read(proto: onnx.ModelProto, what: str = "model") -> ArtifactInfo:
     return ArtifactInfo(**data)
 
 
+def _is_hyperparameter(value: object) -> bool:
+    """A scalar setting (learning rate, mode, flag, unset clip norm) or a short tuple of numbers
+    (AdamW's betas); anything deeper is damage that would only surface at the first step."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, list) and len(value) <= 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                               for v in value)
+
+
 def write_optimizer(proto: onnx.ModelProto, opt, slots, outputs: list[str]) -> None:
     per_param = []
     i = 0
@@ -118,7 +128,8 @@ def read_optimizer(proto: onnx.ModelProto, what: str = "optimizer model") -> dic
         return (isinstance(p, dict) and all(isinstance(p.get(k), str) for k in ("name", "value", "grad"))
                 and _is_name_map(p.get("states")) and _is_names(p.get("outputs")))
 
-    if not (isinstance(data.get("kind"), str) and isinstance(data.get("hyperparameters", {}), dict)
+    hyper = data.get("hyperparameters", {})
+    if not (isinstance(data.get("kind"), str) and isinstance(hyper, dict) and all(map(_is_hyperparameter, hyper.values()))
             and isinstance(params, list) and all(slot_ok(p) for p in params)):
         raise ArtifactError(f"{what}: the {OPTIMIZER_KEY!r} metadata is damaged (kind, hyperparameters and per-parameter "
                             "names of the wrong kind or missing)")

@@ -9,6 +9,7 @@ loading never holds every tensor in memory at once. Writes are atomic.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zipfile
@@ -48,24 +49,38 @@ def _member(name: str) -> zipfile.ZipInfo:
     return zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
 
 
+# A manifest names tensors and a few scalars: ~150 bytes a tensor, so this is far beyond any real
+# one, and keeps a hostile one from costing more than a moment and some tens of MiB to parse.
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_NPY_HEADER = 4096  # a numeric array's header takes ~128 bytes (numpy's own limit is 10,000)
+_LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+
+
 def read_tensor_file(path: str | os.PathLike, fmt: str, version: int, error: type[OdtError], what: str) -> tuple[dict, list[tuple[dict, np.ndarray]]]:
-    """The manifest and (entry, memory-mapped array) pairs of a file written above."""
+    """The manifest and (entry, memory-mapped array) pairs of a file written above.
+
+    Nothing is inflated or read before the zip's directory has been checked: a compressed member
+    (a deflate bomb), a member whose sizes disagree or lie past the end of the file, and an
+    oversized manifest are refused first; each tensor's declared size is checked against its
+    member before it is mapped."""
     path = Path(path)
     if not path.is_file():
         raise not_found(error)(f"{path}: no such {what} file")
     try:
         with zipfile.ZipFile(path) as zf:
+            infos = _checked_members(path, zf.infolist(), path.stat().st_size, error, what)
             bad = zf.testzip()  # streams every member through its CRC, in constant memory
             if bad is not None:
                 raise error(f"{path}: member {bad} is corrupted (CRC mismatch); the {what} cannot be trusted")
             manifest = json.loads(zf.read(MANIFEST))
-            infos = {i.filename: i for i in zf.infolist()}
     except OdtError:
         raise
-    except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError, struct.error, NotImplementedError, RuntimeError) as exc:
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError, struct.error, NotImplementedError, RuntimeError,
+            OverflowError) as exc:
         # NotImplementedError and RuntimeError: zipfile's answers to a compression method, version or
-        # encryption flag it does not know
-        raise error(f"{path}: not a readable ODT {what} (truncated or corrupted?): {exc}") from None
+        # encryption flag it does not know; ValueError includes a manifest that is not UTF-8 JSON;
+        # RecursionError (a RuntimeError): JSON nested deeper than the parser goes
+        raise error(f"{path}: not a readable ODT {what} (truncated or corrupted?): {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         raise error(f"{path}: not an ODT {what} (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
     found = manifest.get("format_version")
@@ -84,43 +99,99 @@ def read_tensor_file(path: str | os.PathLike, fmt: str, version: int, error: typ
     return manifest, tensors
 
 
+def _checked_members(path: Path, infos: list[zipfile.ZipInfo], file_size: int, error: type[OdtError],
+                     what: str) -> dict[str, zipfile.ZipInfo]:
+    """Name -> member, after refusing what must not be read: compressed members (they could
+    inflate to gigabytes), sizes that disagree or run past the end of the file, duplicate names
+    and an oversized manifest. Only the zip's directory has been read so far."""
+    members: dict[str, zipfile.ZipInfo] = {}
+    for info in infos:
+        name = info.filename
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise error(f"{path}: member {name!r} is compressed (method {info.compress_type}); ODT {what} files store every "
+                        "member uncompressed, so it is refused unread")
+        if info.file_size != info.compress_size or info.header_offset + _LOCAL_HEADER + info.file_size > file_size:
+            raise error(f"{path}: member {name!r} declares {info.file_size} bytes ({info.compress_size} stored) at byte "
+                        f"{info.header_offset} of a {file_size}-byte file; the file is damaged")
+        if name in members:
+            raise error(f"{path}: member {name!r} appears twice; the file is damaged")
+        members[name] = info
+    manifest = members.get(MANIFEST)
+    if manifest is None:
+        raise error(f"{path}: no {MANIFEST} member; not an ODT {what} (truncated or corrupted?)")
+    if manifest.file_size > MAX_MANIFEST_BYTES:
+        raise error(f"{path}: its {MANIFEST} takes {manifest.file_size} bytes, more than any {what} needs "
+                    f"({MAX_MANIFEST_BYTES}); refused unread")
+    return members
+
+
 def _valid_entry(entry: object) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not isinstance(entry.get("name"), str):
         return False
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         return False
+    return numeric_dtype(entry.get("dtype")) is not None
+
+
+def numeric_dtype(text: object) -> np.dtype | None:
+    """The dtype a manifest names, if it is a plain number type (no objects, records or sub-arrays)."""
+    if not isinstance(text, str):
+        return None
     try:
-        dtype = np.dtype(entry.get("dtype"))
-    except (TypeError, ValueError):
-        return False
-    return isinstance(entry.get("dtype"), str) and not dtype.hasobject
+        dtype = np.dtype(text)
+    except (TypeError, ValueError, SyntaxError):
+        return None
+    # native byte order only: the writer stores arrays as they are in memory, and a swapped dtype would
+    # pass every check here and then fail to match the model's parameters far from the file
+    native = dtype.byteorder in ("=", "|") or dtype == dtype.newbyteorder("=")
+    return dtype if dtype.kind in "biufc" and dtype.shape == () and dtype.names is None and native else None
 
 
 def _map_member(path: Path, info: zipfile.ZipInfo, entry: dict, error: type[OdtError]) -> np.ndarray:
-    """Memory-map one stored .npy member: its bytes sit uncompressed inside the zip."""
+    """Memory-map one stored .npy member: its bytes sit uncompressed inside the zip. Its header
+    must agree with the manifest, and header plus data must fill the member exactly, before any
+    mapping is made (a header may declare 2**40 elements)."""
     name = entry.get("name")
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise error(f"{path}: tensor {name!r} is compressed; ODT files store tensors uncompressed")
     with open(path, "rb") as f:
         f.seek(info.header_offset)
-        local = f.read(30)
+        local = f.read(_LOCAL_HEADER)
         if local[:4] != b"PK\x03\x04":
             raise error(f"{path}: tensor {name!r}: bad zip local header")
         name_len, extra_len = struct.unpack("<HH", local[26:30])
-        f.seek(info.header_offset + 30 + name_len + extra_len)
+        start = info.header_offset + _LOCAL_HEADER + name_len + extra_len
+        f.seek(start)
         try:
             version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"npy format version {version} (ODT writes 1.0 or 2.0)")
+            # numpy would read the header's declared length in one go (2.0 allows 4 GiB) before it
+            # checks it: bound it by the member first
+            width = 2 if version == (1, 0) else 4
+            declared = int.from_bytes(f.read(width), "little")
+            if declared > min(info.file_size, MAX_NPY_HEADER):
+                raise ValueError(f"the header declares {declared} bytes, past its member or the {MAX_NPY_HEADER}-byte limit")
+            # a numeric array's header is one flat dict with a shape tuple; deep nesting would only
+            # make numpy's tokenizer and literal_eval spend seconds before refusing it
+            header = f.read(declared)
+            if sum(header.count(c) for c in b"([{") > 2:
+                raise ValueError("the header nests brackets; a numeric array's header is {'descr', 'fortran_order', 'shape'}")
+            f.seek(-(width + declared), os.SEEK_CUR)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             shape, fortran, dtype = read_header(f)
-        except ValueError as exc:
-            raise error(f"{path}: tensor {name!r}: bad array header: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - numpy tokenizes and literal_evals the header: ValueError,
+            # SyntaxError, tokenize.TokenError, RecursionError, MemoryError... all mean a damaged header
+            raise error(f"{path}: tensor {name!r}: bad array header: {type(exc).__name__}: {str(exc)[:200]}") from None
         offset = f.tell()
     if dtype.hasobject:
         raise error(f"{path}: tensor {name!r} holds Python objects; refusing to load it (no pickle)")
     if list(shape) != list(entry.get("shape", [])) or dtype != np.dtype(entry.get("dtype")):
         raise error(f"{path}: tensor {name!r}: stored {dtype}{list(shape)} disagrees with the manifest")
-    if int(np.prod(shape)) == 0:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offset - start + nbytes != info.file_size:
+        raise error(f"{path}: tensor {name!r}: {dtype}{list(shape)} takes {nbytes} bytes, its member holds "
+                    f"{info.file_size - (offset - start)}; the file is damaged")
+    if nbytes == 0:
         return np.zeros(shape, dtype)
     mapped = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape) or (1,), order="F" if fortran else "C")
     return mapped if shape else mapped.reshape(())  # numpy maps no 0-d files

@@ -21,7 +21,8 @@ from odt_ops import meta
 from odt_ops.api.checkpoint_state import CheckpointState
 from odt_ops.api.training_state import CompiledStep, FlatBuffers, TrainingState
 from odt_ops.errors import ArtifactError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
-from odt_ops.ir.load import read_model
+from odt_ops.ir.load import check_artifact, read_model
+from odt_ops.ir.model import Model, tensor_to_array
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
 
@@ -120,25 +121,32 @@ class Module:
         # one generator for every random draw (Dropout masks), so a seed makes a run repeatable
         self._rng = np.random.default_rng(seed)
         train = read_model(train_model_uri)
+        check_artifact(train)  # a damaged artifact fails here, naming its file, not in a kernel
         self._info = meta.read(train.proto, train.source)
+        _check_roles(self._info, train.proto.graph, train.source, True)  # before _bind looks the roles up
         self._bind(train.proto.graph, train.source)
         # the compiled train and eval steps (read by diagnostics such as odt_ops.benchmark.profile)
-        self.compiled_train: CompiledStep = self._compile(train.proto, self._info, training=True, source=train.source)
+        self.compiled_train: CompiledStep = self._compile(train.proto, self._info, training=True, source=train.source,
+                                            base_dir=train.base_dir)
         self.compiled_eval: CompiledStep | None = None
         self._eval_proto = None
         if eval_model_uri is not None:
             ev = read_model(eval_model_uri)
+            check_artifact(ev)
             self._eval_proto = ev.proto
+            self._eval_source = ev.source  # named by the export's errors
             self._eval_info = meta.read(ev.proto, ev.source)
-            self.compiled_eval = self._compile(ev.proto, self._eval_info, training=False, source=ev.source)
+            self.compiled_eval = self._compile(ev.proto, self._eval_info, training=False, source=ev.source,
+                                               base_dir=ev.base_dir)
         self.training = True
         self._reset_grad = True
 
     # ---- construction -------------------------------------------------------------------
-    def _compile(self, proto: onnx.ModelProto, info: meta.ArtifactInfo, *, training: bool, source: str) -> CompiledStep:
+    def _compile(self, proto: onnx.ModelProto, info: meta.ArtifactInfo, *, training: bool, source: str,
+                 base_dir: str | None = None) -> CompiledStep:
         graph = proto.graph
         _check_roles(info, graph, source, training)
-        specs = {v.name: ValueSpec.of(v) for v in graph.input}
+        specs = {v.name: ValueSpec.of(v, source) for v in graph.input}
         data_inputs = [*info.user_inputs, *info.labels]
         outputs = [info.loss, *info.extra_outputs]
         destinations, checks = [], {}
@@ -151,10 +159,11 @@ class Module:
         if info.unfed_inputs:
             graph = _without_readers_of(graph, set(info.unfed_inputs))
         opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
-        constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+        # ours, not onnx's to_array: it reads external data relative to the working directory
+        constants = {t.name: tensor_to_array(t, base_dir, source) for t in graph.initializer}
         try:
             plan = Plan(graph, opsets, constants, [*data_inputs, *info.parameters, *info.buffers], outputs, rng=self._rng,
-                        destinations=destinations, checks=checks)
+                        destinations=destinations, checks=checks, source=source)
         except ModelCheckError as exc:  # the artifact's graph itself is broken: say which file
             raise ModelCheckError(f"{source}: {exc}") from None
         except UnsupportedOpError as exc:
@@ -162,7 +171,7 @@ class Module:
         return CompiledStep(plan, tuple(specs[n] for n in data_inputs), 1 + len(info.extra_outputs))
 
     def _bind(self, graph: onnx.GraphProto, source: str) -> None:
-        specs = {v.name: ValueSpec.of(v) for v in graph.input}
+        specs = {v.name: ValueSpec.of(v, source) for v in graph.input}
         info = self._info
         expected = {n: (tuple(specs[n].shape), specs[n].dtype) for n in (*info.parameters, *info.buffers)}
         # a weight that only ever enters Gemm as a transposed B is stored transposed, so BLAS reads
@@ -275,4 +284,5 @@ class Module:
         if self.compiled_eval is None:
             raise InputError("exporting needs the eval model; pass eval_model_uri to Module(...)")
         self.require_loaded()
-        export_inference_model(self._eval_proto, self._state.checkpoint, inference_model_uri, graph_output_names)
+        export_inference_model(Model(self._eval_proto, source=self._eval_source), self._state.checkpoint, inference_model_uri,
+                               graph_output_names)

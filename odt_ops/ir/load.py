@@ -7,38 +7,46 @@ shapes, and verify every op has a kernel, so that a model that loads also runs.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
 from odt_ops.errors import ModelCheckError, ModelFileNotFoundError, ModelLoadError, UnsupportedOpError
-from odt_ops.ir import control_flow, functions, passes, recurrent
+from odt_ops.ir import control_flow, external, functions, passes, recurrent
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model, default_opset
 
 ModelSource = onnx.ModelProto | str | os.PathLike | bytes | Model
 
 
-def read_model(source: ModelSource) -> Model:
-    """Read a ModelProto, a path or serialized bytes, without normalizing it."""
+def read_model(source: ModelSource, *, base_dir: str | os.PathLike | None = None) -> Model:
+    """Read a ModelProto, a path or serialized bytes, without normalizing it.
+
+    External tensor data is looked for in ``base_dir``: by default the folder of a model read
+    from a path; a model given as bytes or a ModelProto has no folder, so one with external
+    data needs ``base_dir`` (see ``odt_ops.ir.external`` for what it may point at)."""
     if isinstance(source, Model):
         return source
+    folder = None if base_dir is None else str(Path(base_dir).resolve())
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(source)
-        return Model(proto)
+        return _vetted(Model(proto, base_dir=folder))
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return Model(_parse(bytes(source), "<bytes>"))
+        return _vetted(Model(_parse(bytes(source), "<bytes>"), base_dir=folder))
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
             raise ModelFileNotFoundError(f"{path}: no such model file")
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ModelLoadError(f"{path}: cannot read the model: {exc.strerror or exc}") from None
         # external data stays on disk and is memory-mapped later, never held twice
-        proto = _parse(path.read_bytes(), str(path))
-        return Model(proto, base_dir=str(path.parent.resolve()), source=str(path))
+        return _vetted(Model(_parse(data, str(path)), base_dir=folder or str(path.parent.resolve()), source=str(path)))
     raise ModelLoadError(f"cannot load a model from {type(source).__name__}; pass a ModelProto, a path or bytes")
 
 
@@ -46,21 +54,37 @@ def _parse(data: bytes, source: str) -> onnx.ModelProto:
     proto = onnx.ModelProto()
     try:
         proto.ParseFromString(data)
-    except (DecodeError, RuntimeError, ValueError) as exc:
+    except (DecodeError, RuntimeError, ValueError, RecursionError) as exc:  # RecursionError: nesting past protobuf's limit
         raise ModelLoadError(f"{source}: not a readable ONNX model (truncated or corrupted?): {exc}") from None
     if not proto.HasField("graph") or not proto.opset_import:
         raise ModelLoadError(f"{source}: not an ONNX model (no graph or no opset import)")
     return proto
 
 
-def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, batch_dim: str | None = "batch") -> Model:
+def _vetted(model: Model) -> Model:
+    """Check every external data entry now, before any pass reads a tensor, and move the small
+    ones and those outside the main graph's initializers into the model: onnx's helpers (used
+    by passes and kernels on such tensors) would otherwise look for them relative to the working
+    directory. The large initializers stay on disk, to be memory-mapped from the vetted file."""
+    for tensor, top_level in external.walk_tensors(model.proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        if top_level and _nbytes(tensor) > HEAVY_BYTES:
+            external.map_external(tensor, model.base_dir, model.source)  # opens, checks and drops the mapping
+            continue
+        external.inline(tensor, model.base_dir, model.source)
+    return model
+
+
+def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, batch_dim: str | None = "batch",
+               base_dir: str | os.PathLike | None = None) -> Model:
     """Read and normalize a model; the result passes onnx.checker's full check.
 
     ``target_opset=None`` keeps the model's own opset (the spec's node tests run this
     way); otherwise models are converted to it. A newer model that onnx's converter
     cannot lower keeps its opset, since kernels are registered per opset version.
     """
-    model = read_model(source)
+    model = read_model(source, base_dir=base_dir)
     if model.normalized and target_opset in (None, model.opset):
         return model
     with _weights_aside(model):  # the C++ passes below then never copy the weights
@@ -77,7 +101,10 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
     if batch_dim:
         passes.symbolic_batch_dim(model, batch_dim)
     with _weights_aside(model):
-        passes.infer_shapes(model)
+        try:
+            passes.infer_shapes(model)
+        except ValueError as exc:  # onnx's C++ inference on an invalid data type
+            raise ModelCheckError(f"{model.source}: shape inference fails: {exc}") from None
     passes.fold_constants(model)  # Shape of now-known static shapes
     passes.prune_unused(model)
     model.proto.ir_version = ir_version_for(model.opset)
@@ -135,9 +162,11 @@ def _weights_aside(model: Model) -> Iterator[None]:
 
 
 def _nbytes(t: onnx.TensorProto) -> int:
-    if t.data_location == onnx.TensorProto.EXTERNAL or t.HasField("raw_data"):
-        return len(t.raw_data) if t.HasField("raw_data") else HEAVY_BYTES + 1
-    return int(np.prod(t.dims, dtype=np.int64)) * 4
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        return math.prod(max(int(d), 0) for d in t.dims) * 8  # its dtype is checked when it is mapped
+    if t.HasField("raw_data"):
+        return len(t.raw_data)
+    return math.prod(max(int(d), 0) for d in t.dims) * 4
 
 
 def ir_version_for(opset: int) -> int:
@@ -152,8 +181,17 @@ def ir_version_for(opset: int) -> int:
 def _check(model: Model, *, full: bool) -> None:
     try:
         onnx.checker.check_model(model.proto, full_check=full)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as exc:
+        # ValueError: onnx's C++ code on an invalid data type ("Invalid tensor data type 999.")
         raise ModelCheckError(f"{model.source}: fails onnx.checker: {exc}") from None
+
+
+def check_artifact(model: Model) -> None:
+    """onnx.checker's full check (strict shape inference) of an artifact read from a file: every
+    artifact we write passes it, and a damaged one (an op swapped, an attribute retyped, an input
+    renamed) fails here, naming the file, instead of inside a kernel at the first step."""
+    with _weights_aside(model):
+        _check(model, full=True)
 
 
 def _convert(model: Model, target: int) -> None:

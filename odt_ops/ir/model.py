@@ -1,7 +1,6 @@
 """The engine's handle on a model: the normalized ModelProto plus where its weights live."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,25 +52,15 @@ def default_opset(proto: onnx.ModelProto) -> int:
 
 
 def tensor_to_array(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> np.ndarray:
-    """A TensorProto as numpy; external data is mapped read-only so big models load once."""
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+    """A TensorProto as numpy; external data is mapped read-only so big models load once, and
+    only from a regular file inside ``base_dir`` (see ``odt_ops.ir.external``)."""
+    from odt_ops.ir import external
+
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return external.map_external(tensor, base_dir, source)
+    external.tensor_dtype(tensor, source)
+    try:
         return numpy_helper.to_array(tensor)
-    info = {e.key: e.value for e in tensor.external_data}
-    location = info.get("location", "")
-    path = os.path.join(base_dir or "", location)
-    if not location or os.path.isabs(location) or ".." in location.split("/"):
-        raise ModelLoadError(f"{source}: initializer {tensor.name!r} has an unsafe external data location {location!r}")
-    if not os.path.exists(path):
-        raise ModelLoadError(
-            f"{source}: external data file {path!r} of initializer {tensor.name!r} is missing; "
-            "keep the data file next to the model"
-        )
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    shape = tuple(tensor.dims)
-    count = int(np.prod(shape, dtype=np.int64))
-    offset = int(info.get("offset", 0))
-    if count * dtype.itemsize + offset > os.path.getsize(path):
-        raise ModelLoadError(f"{source}: external data file {path!r} is too short for initializer {tensor.name!r}")
-    if count == 0:
-        return np.zeros(shape, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:  # data of another size than its dims say
+        raise ModelLoadError(f"{source}: initializer {tensor.name!r} ({list(tensor.dims)}) holds unreadable data: "
+                             f"{type(exc).__name__}: {str(exc)[:200]}") from None

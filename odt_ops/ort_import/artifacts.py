@@ -32,8 +32,10 @@ from onnx import helper, numpy_helper
 from odt_ops.artifacts import generate_artifacts
 from odt_ops.checkpoint import Checkpoint, OptimizerState, check_matches, load_checkpoint, save_checkpoint
 from odt_ops.domain import is_default
-from odt_ops.errors import ArtifactError, CheckpointError, ModelLoadError
+from odt_ops.errors import ArtifactError, CheckpointError
+from odt_ops.ir import external
 from odt_ops.ir.graph import producers
+from odt_ops.ir.load import read_model
 from odt_ops.onnxblock import Block, optim
 from odt_ops.onnxblock import loss as losses
 from odt_ops.ort_import.checkpoint import read_ort_checkpoint
@@ -123,13 +125,16 @@ def write_artifacts(ort: OrtArtifacts, out_dir: str | os.PathLike, prefix: str =
 
 
 def _load(path: Path) -> onnx.ModelProto:
-    try:
-        return onnx.load(str(path), load_external_data=True)
-    except FileNotFoundError:
+    """The model with its external data moved in, read by our reader (external data only from
+    regular files inside the artifact folder; see odt_ops.ir.external), not onnx.load."""
+    if not path.is_file():
         raise ArtifactError(f"{path}: no such file; an ONNX Runtime artifact directory has eval_model.onnx, "
-                            "optimizer_model.onnx and checkpoint") from None
-    except Exception as exc:  # protobuf's DecodeError and friends
-        raise ModelLoadError(f"{path}: cannot be read as an ONNX model: {exc}") from None
+                            "optimizer_model.onnx and checkpoint")
+    model = read_model(path)
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            external.inline(tensor, model.base_dir, model.source)
+    return model.proto
 
 
 def _numeric(elem_type: int) -> bool:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from odt_ops import confined
 from odt_ops.checkpoint import Checkpoint, OptimizerState
 from odt_ops.errors import CheckpointError
 from odt_ops.onnxblock import optim
@@ -234,11 +235,12 @@ class _Reader:
         if self.external_path is None:
             raise Malformed(f"tensor {name!r} is stored in an external data file, and none was given")
         if self._external is None:
-            try:
-                self._external = open(self.external_path, "rb")
-            except OSError as exc:
-                raise Malformed(f"tensor {name!r} is stored in the external data file {self.external_path}, which cannot "
-                                f"be opened: {exc.strerror or exc}") from None
+            # the .data file beside the checkpoint, and only if it really is there: a symlink leading
+            # out of the folder, a directory or a device is refused
+            where = Path(self.external_path)
+            what = f"{self.source}: tensor {name!r} is stored in the external data file {where}"
+            self._external = confined.open_regular(confined.resolve_inside(where.parent, where.name, CheckpointError, what),
+                                                   CheckpointError, what)
         size = os.fstat(self._external.fileno()).st_size
         if offset + nbytes > size:
             raise Malformed(f"tensor {name!r}: bytes {offset}..{offset + nbytes} lie past the end of {self.external_path} "

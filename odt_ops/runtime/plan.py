@@ -89,9 +89,11 @@ class Plan:
         destinations: Sequence[str] = (),
         checks: Mapping[str, Check] | None = None,
         trace: bool | None = None,
+        source: str | None = None,
     ):
         tune_allocator()
         self.input_names = list(input_names)
+        self.source = source  # the model file, named in a failing kernel's error
         self.output_names = list(output_names)
         self.destinations = list(destinations)
         self._constants = dict(constants)
@@ -190,7 +192,7 @@ class Plan:
             step = self.steps[index]
             values = [frame.f_locals.get(v, frame.f_globals.get(v)) for v in self._run.step_inputs[index]]
             raise KernelError(
-                f"{node_label(step.node)} failed on inputs ({describe_arrays(values)}): {type(exc).__name__}: {exc}"
+                (f"{self.source}: " if self.source and not self.source.startswith("<") else "") + f"{node_label(step.node)} failed on inputs ({describe_arrays(values)}): {type(exc).__name__}: {exc}"
             ) from exc
 
     def instrument(self, wrap: Callable[[Step, Callable], Callable] | None) -> None:

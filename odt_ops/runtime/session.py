@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
 from odt_ops.domain import opset_versions
-from odt_ops.errors import InputError
+from odt_ops.errors import InputError, ModelCheckError
 from odt_ops.ir.load import ModelSource, load_model
 from odt_ops.ir.model import Model
 from odt_ops.runtime.plan import Plan
@@ -21,15 +21,24 @@ class ValueSpec:
     name: str
     dtype: np.dtype | None
     shape: tuple[int | str | None, ...] | None
+    source: str | None = field(default=None, compare=False)  # the model file, named in errors
 
     @classmethod
-    def of(cls, value: onnx.ValueInfoProto) -> "ValueSpec":
+    def of(cls, value: onnx.ValueInfoProto, source: str | None = None) -> "ValueSpec":
         tt = value.type.tensor_type
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
+        except (KeyError, ValueError, TypeError):
+            raise ModelCheckError(f"{source or 'model'}: value {value.name!r} has element type {tt.elem_type}, which is "
+                                  "not an ONNX tensor type") from None
         shape = None
         if tt.HasField("shape"):
             shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
-        return cls(value.name, dtype, shape)
+        return cls(value.name, dtype, shape, source)
+
+    @property
+    def _where(self) -> str:  # a file's path; "<bytes>" and "<in-memory model>" add nothing
+        return f"{self.source}: " if self.source and not self.source.startswith("<") else ""
 
     def check(self, value: object) -> np.ndarray:
         """The feed as an array, or InputError naming the input and what was expected."""
@@ -38,13 +47,13 @@ class ValueSpec:
         if self.dtype == np.dtype(object) and value.dtype.kind in "US":
             value = value.astype(object)  # ONNX strings are Python str objects; onnxruntime takes numpy's str arrays too
         if self.dtype is not None and value.dtype != self.dtype:
-            raise InputError(f"input {self.name!r}: expected dtype {self.dtype}, got {value.dtype}; cast it with .astype(np.{self.dtype})")
+            raise InputError(f"{self._where}input {self.name!r}: expected dtype {self.dtype}, got {value.dtype}; cast it with .astype(np.{self.dtype})")
         if self.shape is not None:
             if value.ndim != len(self.shape):
-                raise InputError(f"input {self.name!r}: expected shape {_fmt(self.shape)} (rank {len(self.shape)}), got {tuple(value.shape)}")
+                raise InputError(f"{self._where}input {self.name!r}: expected shape {_fmt(self.shape)} (rank {len(self.shape)}), got {tuple(value.shape)}")
             for want, got in zip(self.shape, value.shape):
                 if isinstance(want, int) and want != got:
-                    raise InputError(f"input {self.name!r}: expected shape {_fmt(self.shape)}, got {tuple(value.shape)}")
+                    raise InputError(f"{self._where}input {self.name!r}: expected shape {_fmt(self.shape)}, got {tuple(value.shape)}")
         return value
 
 
@@ -68,8 +77,8 @@ class InferenceSession:
     def __init__(self, model: ModelSource, *, seed: int = 0, normalize: bool = True):
         self.model: Model = load_model(model) if normalize else load_model(model, target_opset=None, batch_dim=None)
         graph = self.model.graph
-        self.inputs = [ValueSpec.of(v) for v in graph.input]
-        self.outputs = [ValueSpec.of(v) for v in graph.output]
+        self.inputs = [ValueSpec.of(v, self.model.source) for v in graph.input]
+        self.outputs = [ValueSpec.of(v, self.model.source) for v in graph.output]
         opsets = opset_versions(self.model.proto.opset_import)
         self._rng = np.random.default_rng(seed)
         self._plan = Plan(
@@ -79,6 +88,7 @@ class InferenceSession:
             [v.name for v in self.inputs],
             [v.name for v in self.outputs],
             rng=self._rng,
+            source=self.model.source,
         )
 
     def input_names(self) -> list[str]:
