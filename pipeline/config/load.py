@@ -51,12 +51,15 @@ def load(argv: Sequence[str] | None = None, *, root: Path | None = None):
 
 
 def read_params(params: Path):
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     try:
-        return OmegaConf.load(params)
+        raw = OmegaConf.load(params)
     except Exception as exc:  # yaml.YAMLError and OmegaConf's own
         raise ConfigError(f"{params}: not readable YAML ({first_line(exc)}); regenerate it with `dvc exp run`") from None
+    if not isinstance(raw, DictConfig) or not raw:
+        raise ConfigError(f"{params}: empty or not a mapping of sections; regenerate it with `python -m pipeline.config --write`")
+    return raw
 
 
 def source_of(argv: Sequence[str] | None = None, *, root: Path | None = None) -> str:
