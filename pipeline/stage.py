@@ -102,7 +102,8 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
         print(f"{stage}: interrupted; earlier outputs are unchanged", file=sys.stderr)
         return 130
     shown = describe(metrics) if describe is not None else ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-    print(f"{stage}: done in {time.perf_counter() - t0:.1f} s -> {paths.show(paths.out(stage))}/ ({shown})")
+    cpu = time.process_time()  # this process's CPU time since it started: imports and tracking included
+    print(f"{stage}: done in {time.perf_counter() - t0:.1f} s ({cpu:.1f} s CPU) -> {paths.show(paths.out(stage))}/ ({shown})")
     return 0
 
 
