@@ -1,5 +1,5 @@
-"""Command line: ``python -m odt_ops check MODEL``, ``python -m odt_ops demo`` and
-``python -m odt_ops import-ort ORT_DIR OUT_DIR``."""
+"""Command line: ``odt`` (the console script) or ``python -m odt_ops``, with ``check MODEL``,
+``demo`` and ``import-ort ORT_DIR OUT_DIR``; ``--version``."""
 from __future__ import annotations
 
 import argparse
@@ -83,8 +83,26 @@ def import_ort(args: argparse.Namespace) -> int:
     return 0
 
 
+def program_name() -> str:
+    """``odt`` (the console script) or ``python -m odt_ops``, as the user typed it."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return "python -m odt_ops" if name in ("", "__main__.py", "-c") else name
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("odt")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m odt_ops", description=__doc__)
+    parser = argparse.ArgumentParser(prog=program_name(),
+                                     description="ODT: on-device training from ONNX models (`odt` is `python -m odt_ops`).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("check", help="report every node lacking a kernel or a gradient rule, before generating anything")
     p.add_argument("model", help="path to an .onnx file")
