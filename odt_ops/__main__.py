@@ -1,5 +1,5 @@
-"""Command line: ``odt`` (the console script) or ``python -m odt_ops``, with ``check MODEL``,
-``demo`` and ``import-ort ORT_DIR OUT_DIR``; ``--version``."""
+"""Command line: ``python -m odt_ops check MODEL``, ``python -m odt_ops demo`` and
+``python -m odt_ops import-ort ORT_DIR OUT_DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -83,22 +83,6 @@ def import_ort(args: argparse.Namespace) -> int:
     return 0
 
 
-def program_name() -> str:
-    """``odt`` (the console script) or ``python -m odt_ops``, as the user typed it."""
-    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return "python -m odt_ops" if name in ("", "__main__.py", "-c") else name
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed("odt")
-    except PackageNotFoundError:  # a source tree that was never installed
-        return "unknown (not installed)"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program_name(),
                                      description="ODT: on-device training from ONNX models (`odt` is `python -m odt_ops`).")
@@ -123,6 +107,22 @@ def main(argv: list[str] | None = None) -> int:
     except OdtError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def program_name() -> str:
+    """``odt`` (the console script) or ``python -m odt_ops``, as the user typed it."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return "python -m odt_ops" if name in ("", "__main__.py", "-c") else name
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("odt")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":
