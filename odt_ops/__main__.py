@@ -105,7 +105,9 @@ def _sample_set(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m odt_ops", description=__doc__)
+    parser = argparse.ArgumentParser(prog=program_name(),
+                                     description="ODT: on-device training from ONNX models (`odt` is `python -m odt_ops`).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("check", help="report every node lacking a kernel or a gradient rule, before generating anything")
     p.add_argument("model", help="path to an .onnx file")
@@ -133,6 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     except OdtError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def program_name() -> str:
+    """``odt`` (the console script) or ``python -m odt_ops``, as the user typed it."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return "python -m odt_ops" if name in ("", "__main__.py", "-c") else name
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("odt")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

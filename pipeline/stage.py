@@ -1,10 +1,13 @@
 """What every stage's ``main()`` does around its ``run(cfg, paths, tracker)``.
 
-1. load and validate the configuration (``pipeline.config.load``), before any work;
+1. load and validate the configuration (``pipeline.config.load``: params.yaml, plus the
+   overrides of a hand run), before any work; Hydra's ``--cfg``/``--info``/``--hydra-help``
+   go to Hydra (pipeline/config/hydra_flags.py), a sweep is refused with the DVC command;
 2. open the stage's MLflow run (``pipeline.tracking.stage_run``);
 3. call ``run`` with the stage's output directory redirected to a staging directory,
    and swap it into ``data/<stage>/`` only if ``run`` succeeded, so a failure leaves
-   the previous outputs (this stage's and every earlier one's) intact;
+   the previous outputs (this stage's and every earlier one's) intact; the metrics file
+   is rounded to the digits that mean something first;
 4. log the metrics and the output files (all, or the stage's ``artifacts(paths)``) to MLflow, then call the stage's
    ``after(cfg, paths, tracker)`` hook (PNG plots, files for the pipeline run) when
    tracking is on; a failing hook is a warning, never a failed stage;
@@ -18,15 +21,17 @@ copy. Each module's ``__main__`` block therefore calls the imported module's ``m
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from pipeline.errors import EXIT_INPUT, PipelineError
-from pipeline.paths import Paths
+from pipeline.paths import METRICS, Paths
 
 RunFn = Callable[..., dict]  # run(cfg, paths, tracker) -> metrics
+SIGNIFICANT = 4  # digits kept in the metrics files DVC shows (dvc metrics show, dvc exp show)
 
 
 def usage(stage: str) -> str:
@@ -35,8 +40,10 @@ def usage(stage: str) -> str:
     groups = "\n".join(f"  {g}={'|'.join(opts)}" for g, opts in group_options().items())
     return (
         f"usage: python -m pipeline.{stage} [OVERRIDE ...]\n\n"
-        "With no overrides the stage reads params.yaml (as DVC runs it); with overrides it\n"
-        "composes conf/ plus the overrides (Hydra grammar: key=value, group=option, +key=value).\n"
+        "The stage runs what DVC would run (params.yaml) plus the overrides (Hydra grammar: key=value,\n"
+        "+key=value, group=option; a group switch recomposes that group's section from conf/ and says so).\n"
+        "Hydra's flags: --cfg job|hydra|all [--resolve] [-p KEY] prints the composed configuration, --info,\n"
+        "--hydra-help; a sweep (-m, key=a,b) runs as DVC experiments: dvc exp run --queue -S 'key=a,b'.\n"
         f"Examples: python -m pipeline.{stage} optimizer.lr=3e-3 model=cnn\n"
         f"Outputs go to data/{stage}/ as under DVC (`dvc status` then shows them changed;\n"
         "`dvc checkout` restores DVC's). Exit codes: 2 bad configuration, 1 bad input.\n\n"
@@ -57,13 +64,22 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
     t0 = time.perf_counter()
     try:
         from pipeline import config, tracking
+        from pipeline.config import hydra_flags
         from pipeline.io import publish_dir
 
+        if hydra_flags.is_multirun(args) or hydra_flags.sweeps(hydra_flags.split(args)[1]):
+            raise hydra_flags.sweep_error(stage, [a for a in hydra_flags.split(args)[1] if a not in hydra_flags.MULTIRUN])
+        if hydra_flags.wants_hydra(args):
+            return hydra_flags.run_hydra(stage, args)
         cfg = config.load(args)
+        note = config.recomposed(args)
+        if note:
+            print(f"{stage}: {note}", file=sys.stderr)
         paths = Paths.default()
         with tracking.stage_run(stage, cfg, config_source=config.source_of(args)) as tracker:
             with publish_dir(paths.out(stage)) as staging:
                 metrics = run(cfg, paths.redirect(stage, staging), tracker)
+                round_metrics_file(staging / METRICS)
             tracker.log_metrics(metrics)
             logged = artifacts(paths) if artifacts is not None else sorted(p for p in paths.out(stage).iterdir() if not p.name.startswith("."))
             for path in logged:
@@ -86,8 +102,31 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
         print(f"{stage}: interrupted; earlier outputs are unchanged", file=sys.stderr)
         return 130
     shown = describe(metrics) if describe is not None else ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-    print(f"{stage}: done in {time.perf_counter() - t0:.1f} s -> {paths.show(paths.out(stage))}/ ({shown})")
+    cpu = time.process_time()  # this process's CPU time since it started: imports and tracking included
+    print(f"{stage}: done in {time.perf_counter() - t0:.1f} s ({cpu:.1f} s CPU) -> {paths.show(paths.out(stage))}/ ({shown})")
     return 0
+
+
+def round_metrics_file(path: Path) -> None:
+    """The stage's metrics file with every float rounded to SIGNIFICANT digits: what the
+    numbers can say (one digit of a 300-digit holdout is 0.0033), and a file that does not
+    change when arithmetic does in the last bits (0.30000000000000004 is 0.3)."""
+    import json
+
+    from pipeline.io import write_json
+
+    if path.is_file():
+        write_json(path, _rounded(json.loads(path.read_text(encoding="utf-8"))))
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.{SIGNIFICANT}g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def _log_datasets(tracker, paths: Paths, datasets: Mapping[str, str]) -> None:

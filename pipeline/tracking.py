@@ -22,6 +22,7 @@ import contextlib
 import os
 import subprocess
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,9 @@ class NullRun:
     def flush(self) -> None:
         pass
 
+    def wait(self) -> None:
+        pass
+
     def log_datasets(self, datasets: Mapping[str, tuple[Any, str]], context: str) -> None:
         pass
 
@@ -114,7 +118,9 @@ class NullRun:
 
 class StageRun(NullRun):
     """One MLflow run. Metrics are buffered and sent in batches (3.5 ms per single
-    ``log_metric`` call on SQLite, 0.05 s per 1000 in a batch)."""
+    ``log_metric`` call on SQLite, 0.05 s per 1000 in a batch), params, tags and metrics
+    asynchronously (MLflow's ``log_batch(synchronous=False)``: its queue writes them while
+    the stage works); ``wait`` returns when all are written."""
 
     def __init__(self, client, run_id: str, parent_run_id: str | None, *, log_artifacts: bool = True):
         self.client = client
@@ -122,6 +128,17 @@ class StageRun(NullRun):
         self.parent_run_id = parent_run_id
         self.log_artifacts = log_artifacts
         self._buffer: list = []
+        self._pending: list = []  # MLflow's RunOperations of the asynchronous batches
+
+    def _batch(self, run_id: str, **entities) -> None:
+        self._pending.append(self.client.log_batch(run_id, synchronous=False, **entities))
+
+    def wait(self) -> None:
+        """Every asynchronous batch written (an error in one is raised here)."""
+        self.flush()
+        pending, self._pending = self._pending, []
+        for operation in pending:
+            operation.wait()
 
     def log_metric(self, key: str, value: float, step: int | None = None) -> None:
         from mlflow.entities import Metric
@@ -140,12 +157,12 @@ class StageRun(NullRun):
 
         items = [Param(str(k)[:250], _param_value(v)) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self._batch(self.run_id, params=items[i:i + 100])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self._batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if not self.log_artifacts:
@@ -165,7 +182,7 @@ class StageRun(NullRun):
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if items:
-            self.client.log_batch(self.parent_run_id, metrics=items)
+            self._batch(self.parent_run_id, metrics=items)
 
     def log_parent_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if self.parent_run_id and self.log_artifacts and Path(path).is_file():
@@ -178,9 +195,15 @@ class StageRun(NullRun):
         from mlflow.entities import DatasetInput, InputTag
 
         inputs = []
-        for name, (features, source) in datasets.items():
-            dataset = mlflow.data.from_numpy(features, source=str(source), name=name)
-            inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+        with warnings.catch_warnings():
+            # MLflow registers its local-file dataset source twice (for the URI schemes "" and
+            # "file"), so every local path "can be interpreted in multiple ways:
+            # LocalArtifactDatasetSource, LocalArtifactDatasetSource", once per dataset per
+            # stage; both are the same source, and MLflow takes either. Only that warning is ignored.
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+            for name, (features, source) in datasets.items():
+                dataset = mlflow.data.from_numpy(features, source=str(source), name=name)
+                inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
         if inputs:
             self.client.log_inputs(self.run_id, datasets=inputs)
 
@@ -202,9 +225,12 @@ class StageRun(NullRun):
         mlflow.set_tracking_uri(tracking_uri())
         # the fluent API logs models into the active run: this run, resumed and left running
         with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
+            # pip_requirements given: MLflow would otherwise infer them by loading the model in a
+            # fresh Python process (seconds per stage) to find what the flavor's defaults already say
             info = mlflow.onnx.log_model(model, name=name, input_example=input_example,
                                          signature=infer_signature(input_example, outputs),
-                                         onnx_execution_providers=["CPUExecutionProvider"])
+                                         onnx_execution_providers=["CPUExecutionProvider"],
+                                         pip_requirements=mlflow.onnx.get_default_pip_requirements())
         self.client.update_run(self.run_id, status="RUNNING")  # start_run's exit marked it finished; the stage ends it
         return info.model_uri
 
@@ -220,7 +246,7 @@ class StageRun(NullRun):
     def flush(self) -> None:
         while self._buffer:
             chunk, self._buffer = self._buffer[:BATCH], self._buffer[BATCH:]
-            self.client.log_batch(self.run_id, metrics=chunk)
+            self._batch(self.run_id, metrics=chunk)
 
 
 def _param_value(v: Any) -> str:
@@ -262,7 +288,7 @@ def stage_run(stage: str, cfg, *, config_source: str | None = None) -> Iterator[
         raise
     finally:
         try:
-            tracker.flush()
+            tracker.wait()
         finally:
             client.set_terminated(tracker.run_id, status)
             if parent:
@@ -283,6 +309,28 @@ def run_tags(stage: str) -> dict[str, str]:
         tags["git.commit"] = commit
         tags["mlflow.source.git.commit"] = commit
     return {k: v for k, v in tags.items() if v}
+
+
+def pipeline_run_name(tags: Mapping[str, str]) -> str:
+    """The pipeline run's name: the DVC experiment's (``dvc exp run -n lr-sweep``, or the name
+    DVC made up), else ``repro@<commit>`` (``dvc repro``), with ``+changes`` when the working
+    tree differs from that commit; ``pipeline`` outside git."""
+    if tags.get("dvc.exp"):
+        return tags["dvc.exp"]
+    commit = tags.get("git.commit")
+    if not commit:
+        return "pipeline"
+    return f"repro@{commit[:8]}" + ("+changes" if git_dirty() else "")
+
+
+def git_dirty(root: Path | None = None) -> bool:
+    """Tracked files differ from HEAD (outputs DVC writes into git-ignored places do not count)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root or project_root(),
+                             capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
 
 
 def git_commit(root: Path | None = None) -> str | None:
@@ -351,12 +399,14 @@ def _parent_run_id(client, experiment_id: str, cfg=None) -> str | None:
         return found[0].info.run_id
     tags = {PIPELINE_KEY_TAG: key, "odt.stage": "pipeline", "mlflow.source.type": "LOCAL"}
     tags.update({k: v for k, v in run_tags("pipeline").items() if k not in ("odt.stage", "dvc.stage")})
-    parent = client.create_run(experiment_id, run_name="pipeline", tags=tags)
+    parent = client.create_run(experiment_id, run_name=pipeline_run_name(tags), tags=tags)
     if cfg is not None:  # the pipeline's configuration, as every stage sees it
         from pipeline.config import to_container
         from pipeline.io import flatten
 
-        StageRun(client, parent.info.run_id, None).log_params(flatten(to_container(cfg)))
+        parent_run = StageRun(client, parent.info.run_id, None)
+        parent_run.log_params(flatten(to_container(cfg)))
+        parent_run.wait()
     client.set_terminated(parent.info.run_id, "FINISHED")
     return parent.info.run_id
 

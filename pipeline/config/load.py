@@ -2,13 +2,18 @@
 
 Where it comes from (``load``):
 
-1. Overrides on the command line (``python -m pipeline.train optimizer.lr=3e-3``):
-   Hydra composes ``conf/`` plus the overrides (Hydra's override grammar). A hand run.
-2. No overrides and ``params.yaml`` exists: ``params.yaml`` as it is. This is how DVC
+1. No overrides and ``params.yaml`` exists: ``params.yaml`` as it is. This is how DVC
    runs every stage (``dvc exp run`` recomposes ``params.yaml`` from ``conf/`` and its
    ``-S`` overrides first; ``dvc repro`` uses the committed file), and a hand run with no
    overrides reproduces exactly what DVC would run.
-3. Neither: Hydra composes ``conf/``.
+2. Overrides on the command line (``python -m pipeline.train optimizer.lr=3e-3``) and
+   ``params.yaml`` exists: what DVC would run plus the overrides. Hydra composes a primary
+   config made of ``params.yaml`` (registered in Hydra's ConfigStore), so the overrides keep
+   Hydra's grammar and errors. A group switch (``model=cnn``, ``tracking=disabled``) has no
+   value in ``params.yaml`` to change: that group's section is composed from its option in
+   ``conf/`` (``recomposed`` names it, and the stage says so in one line); every other
+   value stays ``params.yaml``'s.
+3. No ``params.yaml``: Hydra composes ``conf/`` plus the overrides.
 
 Whatever the source, ``validate`` merges it into the schema (pipeline/config/schema.py:
 unknown keys and wrong types are rejected), builds the typed ``Config`` (each section's
@@ -18,7 +23,7 @@ Every error is a ``ConfigError`` naming the key and what is allowed.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,36 +33,80 @@ from pipeline.errors import ConfigError
 from pipeline.paths import project_root
 
 CONFIG_NAME = "config"
+PARAMS_PRIMARY = "params_yaml"  # params.yaml as a primary config in Hydra's ConfigStore
 
 
 def load(argv: Sequence[str] | None = None, *, root: Path | None = None):
     """The validated, typed configuration for a stage; see the module docstring."""
-    from omegaconf import OmegaConf
-
     root = Path(root) if root is not None else project_root()
     overrides = list(sys.argv[1:] if argv is None else argv)
     params = root / "params.yaml"
-    if overrides or not params.is_file():
+    if not params.is_file():
         raw = compose(overrides, root=root)
+    elif not overrides:
+        raw = read_params(params)
     else:
-        try:
-            raw = OmegaConf.load(params)
-        except Exception as exc:  # yaml.YAMLError and OmegaConf's own
-            raise ConfigError(f"{params}: not readable YAML ({first_line(exc)}); regenerate it with `dvc exp run`") from None
+        raw = compose(overrides, root=root, base=read_params(params))
     return validate(raw)
+
+
+def read_params(params: Path):
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        raw = OmegaConf.load(params)
+    except Exception as exc:  # yaml.YAMLError and OmegaConf's own
+        raise ConfigError(f"{params}: not readable YAML ({first_line(exc)}); regenerate it with `dvc exp run`") from None
+    if not isinstance(raw, DictConfig) or not raw:
+        raise ConfigError(f"{params}: empty or not a mapping of sections; regenerate it with `python -m pipeline.config --write`")
+    return raw
 
 
 def source_of(argv: Sequence[str] | None = None, *, root: Path | None = None) -> str:
     """Where ``load(argv)`` takes the configuration from, for logs and tags."""
     root = Path(root) if root is not None else project_root()
     overrides = list(sys.argv[1:] if argv is None else argv)
-    if overrides:
-        return "conf/ + overrides: " + " ".join(overrides)
-    return "params.yaml" if (root / "params.yaml").is_file() else "conf/"
+    base = "params.yaml" if (root / "params.yaml").is_file() else "conf/"
+    return f"{base} + overrides: " + " ".join(overrides) if overrides else base
 
 
-def compose(overrides: Sequence[str] = (), *, root: Path | None = None):
-    """Compose ``conf/`` with Hydra overrides, as DVC does for ``params.yaml`` (resolved)."""
+def recomposed(argv: Sequence[str] | None = None, *, root: Path | None = None) -> str | None:
+    """One line saying which sections a group switch recomposed from ``conf/`` instead of
+    taking them from ``params.yaml``; None when nothing was (no switch, or no params.yaml)."""
+    root = Path(root) if root is not None else project_root()
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if not overrides or not (root / "params.yaml").is_file():
+        return None
+    switches = group_switches(overrides, root=root)
+    if not switches:
+        return None
+    files = ", ".join(f"{g} from conf/{g}/{o}.yaml" for g, o in switches.items())
+    return (f"{' '.join(f'{g}={o}' for g, o in switches.items())}: a group switch recomposes its section ({files}); "
+            "every other value is params.yaml's (as DVC runs it) plus the overrides")
+
+
+def group_switches(overrides: Sequence[str], *, root: Path | None = None) -> dict[str, str]:
+    """``group -> option`` for each override that selects a conf/ group's option."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    root = Path(root) if root is not None else project_root()
+    groups = group_options(root)
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as exc:
+        raise messages.compose_error(exc, overrides, root / "conf", config_class()) from None
+    return {o.key_or_group: str(o.value()) for o in parsed
+            if o.type is OverrideType.CHANGE and o.package is None and o.key_or_group in groups
+            and not o.is_sweep_override() and isinstance(o.value(), str)}
+
+
+def compose(overrides: Sequence[str] = (), *, root: Path | None = None, base=None):
+    """Compose ``conf/`` with Hydra overrides, as DVC does for ``params.yaml`` (resolved).
+    With ``base`` (``params.yaml``'s content) the primary config is ``base`` instead of
+    ``conf/config.yaml``; a group switch among the overrides recomposes that group's section
+    from ``conf/`` (see the module docstring)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -68,13 +117,33 @@ def compose(overrides: Sequence[str] = (), *, root: Path | None = None):
     conf = root / "conf"
     if not (conf / f"{CONFIG_NAME}.yaml").is_file():
         raise ConfigError(f"{conf / (CONFIG_NAME + '.yaml')}: missing; run from the repository or set ODT_PROJECT_ROOT")
+    name = CONFIG_NAME if base is None else register_params_primary(base, overrides, root)
     try:
         with initialize_config_dir(config_dir=str(conf), version_base=None):
-            cfg = hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
+            cfg = hydra_compose(config_name=name, overrides=list(overrides))
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise messages.compose_error(exc, overrides, conf, config_class()) from None
     return cfg
+
+
+def register_params_primary(base, overrides: Sequence[str], root: Path) -> str:
+    """Register ``params.yaml``'s content as a primary config in Hydra's ConfigStore and
+    return its name: the sections of the groups the overrides switch are left out and
+    those groups put in its defaults list (their option comes from ``conf/``), with
+    conf/config.yaml's ``hydra`` node and ``override hydra/...`` entries."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    switches = group_switches(overrides, root=root)
+    primary = OmegaConf.load(root / "conf" / f"{CONFIG_NAME}.yaml")
+    hydra_defaults = [d for d in primary.get("defaults", []) if isinstance(d, Mapping) and str(next(iter(d))).startswith("override hydra/")]
+    body = {k: v for k, v in OmegaConf.to_container(base).items() if k not in switches and k != "defaults"}
+    node = {"defaults": [*({g: o} for g, o in switches.items()), "_self_", *hydra_defaults], **body}
+    if "hydra" in primary:
+        node["hydra"] = OmegaConf.to_container(primary.hydra)
+    ConfigStore.instance().store(name=PARAMS_PRIMARY, node=OmegaConf.create(node))
+    return PARAMS_PRIMARY
 
 
 def compose_yaml(overrides: Sequence[str] = (), *, root: Path | None = None) -> str:

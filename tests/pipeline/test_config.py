@@ -171,3 +171,48 @@ def test_hydra_settings_keep_outputs_and_cwd():
     assert "hydra" not in yaml.safe_load((REPO / "params.yaml").read_text())
     for path in (REPO / "conf").rglob("*.yaml"):  # DVC would bake resolved env/time values into params.yaml
         assert "${" not in re.sub(r"#.*", "", path.read_text()), path
+
+
+@pytest.fixture
+def workspace_lr_1e3(tmp_path):
+    """A workspace as `dvc exp run -S optimizer.lr=1e-3` leaves it: params.yaml differs from conf/."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["optimizer"]["lr"] = 1e-3
+    params["train"]["epochs"] = 7
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    (tmp_path / "conf").symlink_to(REPO / "conf")
+    return tmp_path
+
+
+def test_a_hand_run_is_params_yaml_plus_the_overrides(workspace_lr_1e3):
+    """What DVC would run, plus my overrides: values nobody overrode stay params.yaml's."""
+    root = workspace_lr_1e3
+    cfg = config.load(["tracking=disabled"], root=root)
+    assert cfg.optimizer.lr == 1e-3 and cfg.train.epochs == 7 and cfg.tracking.enabled is False
+    cfg = config.load(["train.epochs=2"], root=root)
+    assert cfg.optimizer.lr == 1e-3 and cfg.train.epochs == 2
+    assert config.source_of(["train.epochs=2"], root=root) == "params.yaml + overrides: train.epochs=2"
+    assert config.recomposed(["train.epochs=2"], root=root) is None
+
+
+def test_a_group_switch_recomposes_only_its_section_and_says_so(workspace_lr_1e3):
+    """Hydra's oracle: the switched section equals Hydra's own composition of conf/ with that
+    option; every other section stays params.yaml's."""
+    root = workspace_lr_1e3
+    cfg = config.to_container(config.load(["optimizer=sgd", "tracking=disabled"], root=root))
+    hydra_sgd = OmegaConf.to_container(config.compose(["optimizer=sgd"], root=REPO), resolve=True)
+    assert cfg["optimizer"] == hydra_sgd["optimizer"]  # lr 0.05, SGD's block: the option's values
+    assert cfg["train"]["epochs"] == 7  # untouched sections keep params.yaml's values
+    note = config.recomposed(["optimizer=sgd", "tracking=disabled", "train.epochs=3"], root=root)
+    assert note is not None and len(note.splitlines()) == 1
+    assert "conf/optimizer/sgd.yaml" in note and "conf/tracking/disabled.yaml" in note and "train" not in note.split(";")[0]
+    cfg = config.load(["model=cnn", "optimizer.lr=0.5"], root=root)  # a switch and a value, as the issue writes them
+    assert cfg.model.arch is Arch.cnn and cfg.optimizer.lr == 0.5 and cfg.train.epochs == 7
+
+
+def test_overrides_on_params_yaml_keep_hydra_errors(workspace_lr_1e3):
+    root = workspace_lr_1e3
+    with pytest.raises(ConfigError, match=r"unknown key 'optimizer.lrr'.*did you mean 'optimizer.lr'"):
+        config.load(["optimizer.lrr=1"], root=root)
+    with pytest.raises(ConfigError, match=r"model=cnnn: no such option .*allowed: cnn, mlp"):
+        config.load(["model=cnnn"], root=root)

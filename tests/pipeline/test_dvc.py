@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import io
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.paths import stages
-from tests.pipeline.conftest import TINY_CONF, dvc_env, project_copy
+from tests.pipeline.conftest import REPO, TINY_CONF, dvc_env, project_copy
 
 pytest.importorskip("dvc")
 
@@ -33,6 +34,14 @@ def dvc(repo: Path, env: dict, *args: str, ok: bool = True) -> tuple[list[str], 
     out = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == ok, out
     return re.findall(r"Running stage '(\w+)'", out), out
+
+
+def readme_commands(*prefixes: str) -> list[list[str]]:
+    """The README's command lines starting with one of ``prefixes`` (comments cut), as argv."""
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    found = [shlex.split(line.split(" # ")[0]) for line in lines if line.startswith(prefixes)]
+    assert len(found) >= len(prefixes), prefixes
+    return found
 
 
 def test_dvc_repro_caching_and_overrides_in_a_fresh_clone(tmp_path):
@@ -77,6 +86,13 @@ def test_dvc_repro_caching_and_overrides_in_a_fresh_clone(tmp_path):
     for name in ("lr", "all", "cnn"):  # each experiment's commit holds its metrics
         assert float(rows[name]["personalization_gain"]) == float(rows[name]["personalization_gain"]), rows[name]
     assert rows["lr"]["optimizer.lr"] == "0.01" and rows["cnn"]["model.arch"] == "cnn"
+    # the README's readable view: the learning rate beside the holdout accuracy at a terminal's width
+    env_width = {**env, "COLUMNS": "160"}
+    _, view = dvc(repo, env_width, *readme_commands("dvc exp show --drop")[0][1:], "--no-pager")
+    assert max(len(row) for row in view.splitlines()) <= 160 and "…" not in view, view
+    header = next(row for row in view.splitlines() if "Experiment" in row).split()
+    assert "optimizer.lr" in header and "user_holdout.personalized.accuracy" in header, view
+    assert all(name in view for name in ("lr", "all", "cnn")), view
 
     # a typo and a wrong type stop before any work, naming the key; outputs stay
     before = {p: (repo / p).read_bytes() for p in ("data/convert/base.onnx", "data/train/checkpoint")}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import tracking
+from pipeline import config, tracking
 from pipeline.errors import TrackingError
 from pipeline.paths import stages as pipeline_stages
 from tests.pipeline.conftest import TINY_RUN, load_cfg
@@ -135,7 +135,7 @@ def test_pipeline_runs_are_found_through_a_local_mlflow_server(project, mlflow_s
     experiment_id = client.create_experiment("odt", artifact_location=tracking.artifact_location(mlflow_store))
     parent = client.create_run(experiment_id, run_name="pipeline").info.run_id
     monkeypatch.setenv("ODT_PARENT_RUN_ID", parent)
-    (project / "params.yaml").write_text("# logged by export into the pipeline run\n")
+    (project / "params.yaml").write_text(config.compose_yaml(root=project))  # logged by export into the pipeline run
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "commit.gpgsign=false"]
     subprocess.run(["git", "init", "-q"], cwd=project, check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], cwd=project, check=True)  # stage runs are tagged with it
@@ -233,3 +233,21 @@ def plots_available() -> bool:
     from pipeline import plots
 
     return plots.available()
+
+
+def test_the_pipeline_run_is_named_after_the_experiment_or_the_commit(tmp_path, monkeypatch):
+    """DVC sets DVC_EXP_NAME for `dvc exp run` (its docs: "Environment variables"); `dvc repro`
+    sets none, so the commit names the run, marked when tracked files differ from it."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "params.yaml").write_text("seed: 0\n")
+    subprocess.run(["git", "add", "params.yaml"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], cwd=tmp_path, check=True)
+    monkeypatch.setenv("ODT_PROJECT_ROOT", str(tmp_path))
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    commit = tracking.git_commit(tmp_path)
+    assert tracking.pipeline_run_name(tracking.run_tags("pipeline")) == f"repro@{commit[:8]}"
+    (tmp_path / "params.yaml").write_text("seed: 1\n")
+    assert tracking.pipeline_run_name(tracking.run_tags("pipeline")) == f"repro@{commit[:8]}+changes"
+    monkeypatch.setenv("DVC_EXP_NAME", "lr-sweep")
+    assert tracking.pipeline_run_name(tracking.run_tags("pipeline")) == "lr-sweep"
