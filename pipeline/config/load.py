@@ -23,12 +23,13 @@ Every error is a ``ConfigError`` naming the key and what is allowed.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import messages
-from pipeline.config.schema import FieldError, block_nodes, check_block, config_class, first_line, section_paths
+from pipeline.config.messages import did_you_mean, unknown_block_key
+from pipeline.config.schema import Blocks, FieldError, arguments, block_nodes, config_class, first_line, section_paths, show
 from pipeline.errors import ConfigError
 from pipeline.paths import project_root
 
@@ -161,6 +162,63 @@ def group_options(root: Path | None = None) -> dict[str, list[str]]:
         for d in sorted(conf.iterdir())
         if d.is_dir() and any(d.glob("*.yaml"))
     }
+
+
+# The block checks: validation, kept beside validate(), their one caller.
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# What each constructor argument accepts, by name, for every block that takes it. The engine
+# checks some of these itself (with ValueError, reported too); the pipeline needs the rest
+# before any work, and a scalar loss to train on (reduction none is not for it).
+ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+              "two numbers in [0, 1)"),
+    "eps": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "weight_decay": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "momentum": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "nesterov": (lambda v: isinstance(v, bool), "true or false"),
+    "max_norm": (lambda v: v is None or _number(v) and v > 0, "null or a number > 0"),
+    "mode": (lambda v: v in ("ort", "torch"), "ort (onnxruntime's AdamW) or torch (torch.optim's)"),
+    "reduction": (lambda v: v in ("mean", "sum"), "mean or sum (training needs a scalar loss)"),
+    "label_smoothing": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "ignore_index": (lambda v: v is None or isinstance(v, int) and not isinstance(v, bool), "null or a class id"),
+    "weight": (lambda v: v is None or isinstance(v, (list, tuple)) and all(_number(w) and w >= 0 for w in v),
+               "null or a list of numbers >= 0"),
+    "pos_weight": (lambda v: v is None or isinstance(v, (list, tuple)) and all(_number(w) and w >= 0 for w in v),
+                   "null or a list of numbers >= 0"),
+}
+
+
+def check_block(key: str, node: Any, blocks: Blocks) -> None:
+    """``node`` (at ``key``) names an allowed class and only its arguments, with allowed values,
+    and the class accepts them; every failure is a ConfigError naming the key. Only then is
+    the node built (Hydra's instantiate), and only to let the constructor check it too."""
+    from hydra.utils import instantiate  # hydra's import is slow: only where a node is built
+
+    allowed = blocks.classes()
+    if not isinstance(node, Mapping) or "_target_" not in node:
+        raise ConfigError(f"{key}: needs _target_, the {blocks.kind} class (one of: {', '.join(allowed)}), "
+                          "beside its constructor arguments")
+    target = node["_target_"]
+    if target not in allowed:
+        raise ConfigError(f"{key}._target_={show(target)}: not an allowed {blocks.kind}; allowed targets: {', '.join(allowed)}"
+                          + did_you_mean(str(target), list(allowed)))
+    cls = allowed[target]
+    for arg, value in node.items():
+        if arg == "_target_":
+            continue
+        if arg not in arguments(cls):
+            raise ConfigError(unknown_block_key(f"{key}.{arg}", blocks, target))
+        ok, expected = ARGUMENT_CHECKS.get(arg, (lambda v: True, ""))
+        if not ok(value):
+            raise ConfigError(f"{key}.{arg}={show(value)}: expected {expected}")
+    try:
+        instantiate(dict(node), _convert_="all")
+    except Exception as exc:  # the engine's constructors raise ValueError or TypeError on what they reject
+        cause = exc.__cause__ or exc
+        raise ConfigError(f"{key}: {target} rejects its arguments ({first_line(cause)})") from None
 
 
 def validate(raw) -> Any:

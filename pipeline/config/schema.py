@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any
 
@@ -106,64 +106,6 @@ NOT_ARGUMENTS = frozenset({"self", "clip_grad"})
 def arguments(cls: type) -> list[str]:
     """The keyword arguments of ``cls``'s constructor a conf/ node may set (the engine is their one source)."""
     return sorted(p for p in inspect.signature(cls).parameters if p not in NOT_ARGUMENTS)
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# What each constructor argument accepts, by name, for every block that takes it. The engine
-# checks some of these itself (with ValueError, reported too); the pipeline needs the rest
-# before any work, and a scalar loss to train on (reduction none is not for it).
-ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
-              "two numbers in [0, 1)"),
-    "eps": (lambda v: _number(v) and v > 0, "a number > 0"),
-    "weight_decay": (lambda v: _number(v) and v >= 0, "a number >= 0"),
-    "momentum": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "nesterov": (lambda v: isinstance(v, bool), "true or false"),
-    "max_norm": (lambda v: v is None or _number(v) and v > 0, "null or a number > 0"),
-    "mode": (lambda v: v in ("ort", "torch"), "ort (onnxruntime's AdamW) or torch (torch.optim's)"),
-    "reduction": (lambda v: v in ("mean", "sum"), "mean or sum (training needs a scalar loss)"),
-    "label_smoothing": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "ignore_index": (lambda v: v is None or isinstance(v, int) and not isinstance(v, bool), "null or a class id"),
-    "weight": (lambda v: v is None or isinstance(v, (list, tuple)) and all(_number(w) and w >= 0 for w in v),
-               "null or a list of numbers >= 0"),
-    "pos_weight": (lambda v: v is None or isinstance(v, (list, tuple)) and all(_number(w) and w >= 0 for w in v),
-                   "null or a list of numbers >= 0"),
-}
-
-
-def check_block(key: str, node: Any, blocks: Blocks) -> None:
-    """``node`` (at ``key``) names an allowed class and only its arguments, with allowed values,
-    and the class accepts them; every failure is a ConfigError naming the key. Only then is
-    the node built (Hydra's instantiate), and only to let the constructor check it too."""
-    from hydra.utils import instantiate
-
-    from pipeline.config.messages import did_you_mean, unknown_block_key
-
-    allowed = blocks.classes()
-    if not isinstance(node, Mapping) or "_target_" not in node:
-        raise ConfigError(f"{key}: needs _target_, the {blocks.kind} class (one of: {', '.join(allowed)}), "
-                          "beside its constructor arguments")
-    target = node["_target_"]
-    if target not in allowed:
-        raise ConfigError(f"{key}._target_={show(target)}: not an allowed {blocks.kind}; allowed targets: {', '.join(allowed)}"
-                          + did_you_mean(str(target), list(allowed)))
-    cls = allowed[target]
-    for arg, value in node.items():
-        if arg == "_target_":
-            continue
-        if arg not in arguments(cls):
-            raise ConfigError(unknown_block_key(f"{key}.{arg}", blocks, target))
-        ok, expected = ARGUMENT_CHECKS.get(arg, (lambda v: True, ""))
-        if not ok(value):
-            raise ConfigError(f"{key}.{arg}={show(value)}: expected {expected}")
-    try:
-        instantiate(dict(node), _convert_="all")
-    except Exception as exc:  # the engine's constructors raise ValueError or TypeError on what they reject
-        cause = exc.__cause__ or exc
-        raise ConfigError(f"{key}: {target} rejects its arguments ({first_line(cause)})") from None
 
 
 def build(node: Mapping) -> Any:
