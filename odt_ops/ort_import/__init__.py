@@ -1,4 +1,2 @@
-"""Import what ONNX Runtime's on-device training left on a device: its checkpoint file and its artifact directory."""
-from odt_ops.ort_import.checkpoint import is_ort_checkpoint, parse_ort_checkpoint, read_ort_checkpoint
-
-__all__ = ["is_ort_checkpoint", "parse_ort_checkpoint", "read_ort_checkpoint"]
+"""Import the artifact directory ONNX Runtime's on-device training left on a device (its checkpoint
+file itself is read by odt_ops.checkpoint, as one of the checkpoint's two formats)."""

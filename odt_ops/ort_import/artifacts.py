@@ -31,6 +31,7 @@ from onnx import helper, numpy_helper
 
 from odt_ops.artifacts import generate_artifacts
 from odt_ops.checkpoint import Checkpoint, OptimizerState, check_matches, load_checkpoint, save_checkpoint
+from odt_ops.checkpoint.ort import read_ort_checkpoint
 from odt_ops.domain import is_default
 from odt_ops.errors import ArtifactError, CheckpointError
 from odt_ops.ir import external
@@ -38,7 +39,6 @@ from odt_ops.ir.graph import producers
 from odt_ops.ir.load import read_model
 from odt_ops.onnxblock import Block, optim
 from odt_ops.onnxblock import loss as losses
-from odt_ops.ort_import.checkpoint import read_ort_checkpoint
 
 MS = "com.microsoft"
 _REDUCTIONS = {"ReduceMean": "mean", "ReduceSum": "sum"}

@@ -20,8 +20,8 @@ import pytest
 from odt_ops.__main__ import main
 from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import load_checkpoint
+from odt_ops.checkpoint.ort import is_ort_checkpoint, parse_ort_checkpoint, read_ort_checkpoint
 from odt_ops.errors import ArtifactError, CheckpointError
-from odt_ops.ort_import import is_ort_checkpoint, parse_ort_checkpoint, read_ort_checkpoint
 from odt_ops.ort_import.artifacts import import_ort_artifacts, read_ort_artifacts
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "ort"
@@ -339,7 +339,17 @@ def test_import_refuses_what_it_cannot_carry_over(tmp_path):
 
 def test_engine_reads_onnxruntime_checkpoints_without_the_flatbuffers_package():
     code = ("import sys; sys.modules['flatbuffers'] = None; sys.modules['onnxruntime'] = None\n"
-            "from odt_ops.ort_import import read_ort_checkpoint\n"
+            "from odt_ops.checkpoint.ort import read_ort_checkpoint\n"
             f"print(sorted(read_ort_checkpoint({str(FIXTURES / 'mlp' / 'checkpoint')!r}).parameters))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "fc1.weight" in out
+
+
+def test_ort_adamw_moments_take_our_adamw_state_names():
+    """The ORT reader names ONNX Runtime's AdamW moments without building an optimizer; the
+    names must stay AdamW's own, in order (first moment, second moment)."""
+    from odt_ops.checkpoint.ort import ORT_STATE_NAMES
+    from odt_ops.onnxblock import optim
+
+    assert list(ORT_STATE_NAMES) == ["momentum0", "momentum1"]
+    assert tuple(ORT_STATE_NAMES.values()) == optim.AdamW().state_names

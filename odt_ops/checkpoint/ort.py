@@ -34,18 +34,18 @@ from pathlib import Path
 import numpy as np
 
 from odt_ops import confined
-from odt_ops.checkpoint import Checkpoint, OptimizerState
+from odt_ops.checkpoint.flatbuffer import Buffer, Malformed, Table
+from odt_ops.checkpoint.state import Checkpoint, OptimizerState
 from odt_ops.errors import CheckpointError
-from odt_ops.onnxblock import optim
-from odt_ops.ort_import.flatbuffer import Buffer, Malformed, Table
 
 IDENTIFIER = b"ODTC"
 EXTERNAL_DATA_SUFFIX = ".data"
 # the versions ONNX Runtime has written: 1, and 2 (is_nominal_state); external data came without a new version
 KNOWN_VERSIONS = range(1, 3)
 
-# ONNX Runtime's AdamWOptimizer state names -> ours (first and second moments, in that order)
-ORT_STATE_NAMES = dict(zip(("momentum0", "momentum1"), optim.AdamW().state_names))
+# ONNX Runtime's AdamWOptimizer state names -> our AdamW's (first and second moments, in that order;
+# tests/odt_ops/test_ort_import.py holds them equal to odt_ops.onnxblock.optim.AdamW's state_names)
+ORT_STATE_NAMES = {"momentum0": "exp_avg", "momentum1": "exp_avg_sq"}
 
 # TensorProto data types that map to a numpy dtype (little-endian, as ONNX Runtime writes them)
 _DTYPES = {1: "<f4", 2: "u1", 3: "i1", 4: "<u2", 5: "<i2", 6: "<i4", 7: "<i8", 9: "?", 10: "<f2", 11: "<f8",

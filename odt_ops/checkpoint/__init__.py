@@ -1,0 +1,25 @@
+"""The checkpoint: one file holding everything training needs to resume exactly.
+
+One state (``state.py``: ``Checkpoint``, ``OptimizerState``), two formats that read into it:
+ours (``native.py``, which is also the only one written) and ONNX Runtime's training checkpoint
+(``ort.py``, a FlatBuffer read through ``flatbuffer.py``), told apart by ONNX Runtime's file
+identifier.
+"""
+from __future__ import annotations
+
+import os
+
+from odt_ops.checkpoint.native import FORMAT, FORMAT_VERSION, read_checkpoint, save_checkpoint
+from odt_ops.checkpoint.ort import is_ort_checkpoint, read_ort_checkpoint
+from odt_ops.checkpoint.state import ENGINE_RNG, Checkpoint, OptimizerState, Property, check_matches
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint, ours or ONNX Runtime's (FlatBuffer "ODTC"), verifying every member."""
+    if is_ort_checkpoint(path):
+        return read_ort_checkpoint(path)
+    return read_checkpoint(path)
+
+
+__all__ = ["ENGINE_RNG", "FORMAT", "FORMAT_VERSION", "Checkpoint", "OptimizerState", "Property", "check_matches",
+           "load_checkpoint", "save_checkpoint"]
