@@ -13,7 +13,6 @@ What the runtime needs to know is recorded in each model's metadata (see ``meta`
 from __future__ import annotations
 
 import enum
-import fnmatch
 import os
 import warnings
 from collections.abc import Sequence
@@ -21,23 +20,20 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
 
-from odt_ops import meta
 from odt_ops.checkpoint import Checkpoint, save_checkpoint
 from odt_ops.errors import ArtifactError, UnsupportedOpError
 from odt_ops.grad.build import missing_gradients
-from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.load import ModelSource, load_model, read_model, save_model
 from odt_ops.ir.lowering import lower_opset
-from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model
+from odt_ops.ir.model import TARGET_OPSET, Model
 from odt_ops.lora import LoraConfig, with_adapters
 from odt_ops.onnxblock import Block, base, optim
 from odt_ops.onnxblock import loss as losses
 from odt_ops.onnxblock.blocks import PassThrough
-from odt_ops.onnxblock.optim import ParamSlots
+from odt_ops.onnxblock.optim import build_optimizer_model
 from odt_ops.quant.training import for_training
-from odt_ops.training_models import ParameterSplit, finish, training_graphs
+from odt_ops.training_models import classify_parameters, default_trainable, training_graphs
 
 
 class LossType(enum.Enum):
@@ -56,59 +52,6 @@ _LOSSES = {LossType.MSELoss: losses.MSELoss, LossType.CrossEntropyLoss: losses.C
            LossType.BCEWithLogitsLoss: losses.BCEWithLogitsLoss, LossType.L1Loss: losses.L1Loss}
 # OptimType.AdamW means onnxruntime's defaults: its AdamWOptimizer, eps 1e-6, no weight decay
 _OPTIMIZERS = {OptimType.AdamW: lambda: optim.AdamW(), OptimType.SGD: lambda: optim.SGD()}
-
-# BatchNormalization inputs 3 and 4 are running statistics: buffers, not parameters
-_BUFFER_INPUTS = {"BatchNormalization": (3, 4)}
-
-
-def classify_parameters(model: Model, requires_grad: Sequence[str] | None, frozen_params: Sequence[str] | None) -> ParameterSplit:
-    """Resolve names and glob patterns to trainable, frozen and buffer initializers.
-
-    As in onnxruntime: initializers named in neither list stay graph constants.
-    """
-    arrays = model.initializer_arrays()
-    names = list(arrays)
-    buffers = sorted({node.input[i] for node in model.graph.node for i in _BUFFER_INPUTS.get(node.op_type, ())
-                      if i < len(node.input) and node.input[i] in arrays})
-
-    def resolve(patterns: Sequence[str] | None, what: str) -> list[str]:
-        chosen: list[str] = []
-        unknown = []
-        for pattern in patterns or []:
-            hits = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
-            if not hits:
-                unknown.append(pattern)
-            chosen.extend(h for h in hits if h not in chosen)
-        if unknown:
-            raise ArtifactError(f"{model.source}: {what}: {unknown} match no initializer of the model; its initializers are "
-                                f"{_preview(names)}")
-        return chosen
-
-    trainable = resolve(requires_grad, "requires_grad")
-    frozen = resolve(frozen_params, "frozen_params")
-    both = sorted(set(trainable) & set(frozen))
-    if both:
-        raise ArtifactError(f"{both} are both in requires_grad and frozen_params; a parameter is one or the other")
-    as_buffer = sorted(set(trainable) & set(buffers))
-    if as_buffer:
-        raise ArtifactError(f"{as_buffer} are BatchNormalization running statistics (buffers); they are updated, not trained")
-    not_float = [n for n in trainable if arrays[n].dtype.kind != "f"]
-    if not_float:
-        raise ArtifactError(f"requires_grad: {not_float} are not floating point; only float tensors can be trained")
-    frozen = [n for n in frozen if n not in buffers]
-    return ParameterSplit(trainable, frozen, buffers)
-
-
-def _preview(names: Sequence[str], n: int = 12) -> str:
-    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
-
-
-def default_trainable(model: Model) -> list[str]:
-    """Every float initializer that is not a running statistic: "train the whole model"."""
-    arrays = model.initializer_arrays()
-    buffers = set(classify_parameters(model, None, None).buffers)
-    return [n for n, a in arrays.items() if a.dtype.kind == "f" and n not in buffers]
-
 
 def check_coverage(model: ModelSource, requires_grad: Sequence[str] | None = None) -> dict:
     """Pre-flight report: nodes lacking a kernel or a gradient rule, and parameter counts."""
@@ -260,35 +203,5 @@ def _apply_loss(forward: Model, loss_block: Block, loss_input_names, extra: list
     return proto, loss_name
 
 
-def build_optimizer_model(opt: optim.Optimizer, params: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """The optimizer graph: (learning_rate, step, [param, grad, *states] per parameter) -> new values."""
-    not_f32 = sorted(n for n, a in params.items() if a.dtype != np.float32)
-    if not_f32:
-        raise ArtifactError(f"the optimizer graphs are built for float32 parameters; {not_f32} are not float32 "
-                            "(cast the model's weights to float32, or generate without an optimizer)")
-    b = GraphBuilder(taken={"learning_rate", "step"}, prefix="optim")
-    inputs = [helper.make_tensor_value_info("learning_rate", onnx.TensorProto.FLOAT, []),
-              helper.make_tensor_value_info("step", onnx.TensorProto.INT64, [])]
-    slots = []
-    for name, array in params.items():
-        elem = helper.np_dtype_to_tensor_dtype(array.dtype)
-        value, grad = b.fresh(name), b.fresh(f"{name}/grad")
-        states = tuple(b.fresh(f"{name}/{s}") for s in opt.state_names)
-        for n in (value, grad, *states):
-            inputs.append(helper.make_tensor_value_info(n, elem, list(array.shape)))
-            b.types[n] = inputs[-1].type
-        slots.append(ParamSlots(name, value, grad, states))
-    results = opt.build(b, slots, "learning_rate", "step") if slots else []
-    outputs = []
-    for p, new in zip(slots, results):
-        for src in new:
-            # an output must be a fresh value, never an input passed through
-            name = b.op("Identity", [src]) if src in {p.value, *p.states} else src
-            outputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(params[p.name].dtype), list(params[p.name].shape)))
-    graph = helper.make_graph(b.nodes, "optimizer", inputs, outputs, b.initializers)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=TARGET_IR_VERSION)
-    meta.write_optimizer(proto, opt, slots, [o.name for o in outputs])
-    return finish(proto, "optimizer_model.onnx")
-
-
-__all__ = ["LossType", "OptimType", "check_coverage", "classify_parameters", "generate_artifacts"]
+__all__ = ["LossType", "OptimType", "build_optimizer_model", "check_coverage", "classify_parameters", "default_trainable",
+           "generate_artifacts"]

@@ -9,6 +9,7 @@ updated BatchNormalization statistic; both carry the roles in their metadata (me
 """
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from odt_ops import meta
 from odt_ops.errors import ArtifactError
 from odt_ops.grad.build import build_gradients
 from odt_ops.ir.builder import GraphBuilder
-from odt_ops.ir.model import TARGET_IR_VERSION
+from odt_ops.ir.model import TARGET_IR_VERSION, Model
 from odt_ops.ir.modes import set_inference_mode, set_training_mode
 
 
@@ -157,3 +158,54 @@ def finish(proto: onnx.ModelProto, what: str) -> onnx.ModelProto:
     return proto
 
 
+# BatchNormalization inputs 3 and 4 are running statistics: buffers, not parameters
+_BUFFER_INPUTS = {"BatchNormalization": (3, 4)}
+
+
+def classify_parameters(model: Model, requires_grad: Sequence[str] | None, frozen_params: Sequence[str] | None) -> ParameterSplit:
+    """Resolve names and glob patterns to trainable, frozen and buffer initializers.
+
+    As in onnxruntime: initializers named in neither list stay graph constants.
+    """
+    arrays = model.initializer_arrays()
+    names = list(arrays)
+    buffers = sorted({node.input[i] for node in model.graph.node for i in _BUFFER_INPUTS.get(node.op_type, ())
+                      if i < len(node.input) and node.input[i] in arrays})
+
+    def resolve(patterns: Sequence[str] | None, what: str) -> list[str]:
+        chosen: list[str] = []
+        unknown = []
+        for pattern in patterns or []:
+            hits = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                unknown.append(pattern)
+            chosen.extend(h for h in hits if h not in chosen)
+        if unknown:
+            raise ArtifactError(f"{model.source}: {what}: {unknown} match no initializer of the model; its initializers are "
+                                f"{_preview(names)}")
+        return chosen
+
+    trainable = resolve(requires_grad, "requires_grad")
+    frozen = resolve(frozen_params, "frozen_params")
+    both = sorted(set(trainable) & set(frozen))
+    if both:
+        raise ArtifactError(f"{both} are both in requires_grad and frozen_params; a parameter is one or the other")
+    as_buffer = sorted(set(trainable) & set(buffers))
+    if as_buffer:
+        raise ArtifactError(f"{as_buffer} are BatchNormalization running statistics (buffers); they are updated, not trained")
+    not_float = [n for n in trainable if arrays[n].dtype.kind != "f"]
+    if not_float:
+        raise ArtifactError(f"requires_grad: {not_float} are not floating point; only float tensors can be trained")
+    frozen = [n for n in frozen if n not in buffers]
+    return ParameterSplit(trainable, frozen, buffers)
+
+
+def _preview(names: Sequence[str], n: int = 12) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
+
+
+def default_trainable(model: Model) -> list[str]:
+    """Every float initializer that is not a running statistic: "train the whole model"."""
+    arrays = model.initializer_arrays()
+    buffers = set(classify_parameters(model, None, None).buffers)
+    return [n for n, a in arrays.items() if a.dtype.kind == "f" and n not in buffers]

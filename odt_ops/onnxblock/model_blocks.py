@@ -16,6 +16,7 @@ from onnx import helper
 
 from odt_ops.errors import ArtifactError
 from odt_ops.onnxblock.base import Block, current_accessor, flush
+from odt_ops.training_models import classify_parameters
 
 LAZY_RESET = "lazy_reset_grad"
 
@@ -92,8 +93,6 @@ class TrainingBlock(Block):
         return self._models
 
     def __call__(self, *args, **kwargs):
-        # imported here: odt_ops.artifacts itself imports onnxblock
-        from odt_ops.artifacts import classify_parameters
         from odt_ops.ir.load import load_model
         from odt_ops.training_models import training_graphs
 

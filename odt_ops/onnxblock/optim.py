@@ -14,8 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
+from onnx import helper
 
-from odt_ops.errors import ArgumentError
+from odt_ops import meta
+from odt_ops.errors import ArgumentError, ArtifactError
+from odt_ops.ir.builder import GraphBuilder
+from odt_ops.ir.model import TARGET_IR_VERSION
+from odt_ops.training_models import finish
 
 F32 = np.float32
 
@@ -91,7 +97,6 @@ class Optimizer:
         returns the graph's output names."""
         from onnx import numpy_helper
 
-        from odt_ops.artifacts import build_optimizer_model
         from odt_ops.onnxblock.base import current
 
         trainable = parameters[0] if isinstance(parameters, tuple) else parameters
@@ -293,3 +298,34 @@ class Adam(AdamW):
         if self.weight_decay:
             g = g + p * F32(self.weight_decay)  # a copy: tmp is the torch update's scratch
         AdamW(betas=self.betas, eps=self.eps, mode="torch").update_param(p, g, states, s, tmp)
+
+
+def build_optimizer_model(opt: Optimizer, params: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """The optimizer graph: (learning_rate, step, [param, grad, *states] per parameter) -> new values."""
+    not_f32 = sorted(n for n, a in params.items() if a.dtype != np.float32)
+    if not_f32:
+        raise ArtifactError(f"the optimizer graphs are built for float32 parameters; {not_f32} are not float32 "
+                            "(cast the model's weights to float32, or generate without an optimizer)")
+    b = GraphBuilder(taken={"learning_rate", "step"}, prefix="optim")
+    inputs = [helper.make_tensor_value_info("learning_rate", onnx.TensorProto.FLOAT, []),
+              helper.make_tensor_value_info("step", onnx.TensorProto.INT64, [])]
+    slots = []
+    for name, array in params.items():
+        elem = helper.np_dtype_to_tensor_dtype(array.dtype)
+        value, grad = b.fresh(name), b.fresh(f"{name}/grad")
+        states = tuple(b.fresh(f"{name}/{s}") for s in opt.state_names)
+        for n in (value, grad, *states):
+            inputs.append(helper.make_tensor_value_info(n, elem, list(array.shape)))
+            b.types[n] = inputs[-1].type
+        slots.append(ParamSlots(name, value, grad, states))
+    results = opt.build(b, slots, "learning_rate", "step") if slots else []
+    outputs = []
+    for p, new in zip(slots, results):
+        for src in new:
+            # an output must be a fresh value, never an input passed through
+            name = b.op("Identity", [src]) if src in {p.value, *p.states} else src
+            outputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(params[p.name].dtype), list(params[p.name].shape)))
+    graph = helper.make_graph(b.nodes, "optimizer", inputs, outputs, b.initializers)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=TARGET_IR_VERSION)
+    meta.write_optimizer(proto, opt, slots, [o.name for o in outputs])
+    return finish(proto, "optimizer_model.onnx")

@@ -48,7 +48,7 @@ def _run_update(opt: optim.Optimizer, params, grads) -> dict[str, np.ndarray]:
 
 def _run_graph(opt: optim.Optimizer, params, grads, engine: str) -> dict[str, np.ndarray]:
     """The optimizer artifact, fed its own outputs back step after step."""
-    proto = artifacts.build_optimizer_model(opt, params)
+    proto = optim.build_optimizer_model(opt, params)
     slots = meta.read_optimizer(proto)["parameters"]
     assert [s["name"] for s in slots] == list(params)
     values = {n: p.copy() for n, p in params.items()}
@@ -203,7 +203,7 @@ def test_optimizer_graph_equals_numpy_update_on_other_runtimes(case, engine):
 def test_optimizer_graph_is_standard_onnx_and_records_its_hyperparameters():
     opt = optim.AdamW(mode="torch", betas=(0.8, 0.9), eps=1e-7, weight_decay=0.2, max_norm=2.0)
     params, _ = _problem()
-    proto = artifacts.build_optimizer_model(opt, params)
+    proto = optim.build_optimizer_model(opt, params)
     onnx.checker.check_model(proto, full_check=True)
     assert {n.domain for n in proto.graph.node} <= {""}
     assert [i.name for i in proto.graph.input][:2] == ["learning_rate", "step"]
