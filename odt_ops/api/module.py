@@ -20,7 +20,7 @@ import onnx
 from odt_ops import meta
 from odt_ops.api.checkpoint_state import CheckpointState
 from odt_ops.api.training_state import CompiledStep, FlatBuffers, TrainingState
-from odt_ops.errors import ArtifactError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
+from odt_ops.errors import ArtifactError, EmptyBatchError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
 from odt_ops.ir.load import read_model
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
@@ -205,6 +205,10 @@ class Module:
         if len(user_inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({[s.name for s in specs]}), got {len(user_inputs)}")
         feeds = [spec.check(_as_array(x)) for spec, x in zip(specs, user_inputs)]
+        empty = next((spec.name for spec, x in zip(specs, feeds) if x.ndim and x.shape[0] == 0), None)
+        if empty is not None:  # a mean over no examples is 0/0: NaN, which would read as divergence
+            raise EmptyBatchError(f"input {empty!r} holds a batch of 0 examples ({[list(x.shape) for x in feeds]}); "
+                                  "skip empty batches (e.g. drop_last or a check on len(batch)). Nothing was updated")
         n = step.n_outputs
         if self.training:
             # a reset step computes the gradients into their buffer; an accumulating one into a
