@@ -81,6 +81,7 @@ def fold_constants(model: Model) -> bool:
     parameters = potential_parameters(model)
     static_shapes = _static_shapes(graph)
     keep, added = [], []
+    reshaped_from: dict[str, str] = {}  # a folded Reshape's (Unsqueeze's, ...) output -> its folded data input
     outputs = {o.name for o in graph.output}
     for node in graph.node:
         value = None
@@ -107,16 +108,52 @@ def fold_constants(model: Model) -> bool:
             if name:
                 const[name] = np.asarray(v)
                 added.append(name)
+        if node.op_type in _SAME_VALUES and node.input[0] in added:
+            reshaped_from[node.output[0]] = node.input[0]
     if not added:
         return False
     used = {n for node in keep for n in node_reads(node)} | outputs  # subgraphs read outer values by name
+    names = _names_users_gave(added, used, reshaped_from, keep, outputs, {t.name for t in graph.initializer})
     for name in added:
         if name in used:
-            graph.initializer.append(numpy_helper.from_array(const[name], name))
-            model.derived.add(name)
+            graph.initializer.append(numpy_helper.from_array(const[name], names.get(name, name)))
+            model.derived.add(names.get(name, name))
+    if names:
+        for node in keep:
+            node.input[:] = [names.get(n, n) for n in node.input]
+        # the source's recorded shape is the one before the Reshape: let inference find it again
+        stale = set(names) | set(names.values())
+        kept_info = [v for v in graph.value_info if v.name not in stale]
+        del graph.value_info[:]
+        graph.value_info.extend(kept_info)
     replace_nodes(model, keep)
     prune_unused(model)
     return True
+
+
+# ops that hand their data input's values on unchanged, only in another shape
+_SAME_VALUES = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
+
+
+def _names_users_gave(added: list[str], used: set[str], reshaped_from: dict[str, str], keep: list[onnx.NodeProto],
+                      outputs: set[str], taken: set[str]) -> dict[str, str]:
+    """{folded value: the name to store it under}: a weight the file makes as ConstantOfShape ->
+    Reshape (the onnx zoo's inception and densenet do) keeps the name its maker gave it, the one
+    a user reads in the file and passes to requires_grad, rather than the Reshape's output name.
+    Only where nothing else reads the original value and no subgraph reads the folded one by name."""
+    implicit = {n for node in keep for n in implicit_inputs(node)}
+    renamed: dict[str, str] = {}
+    claimed = set(taken)
+    for name in added:
+        if name not in used or name in outputs or name in implicit or name not in reshaped_from:
+            continue
+        source = name
+        while source in reshaped_from and reshaped_from[source] not in used and reshaped_from[source] not in claimed:
+            source = reshaped_from[source]
+        if source != name:
+            renamed[name] = source
+            claimed.add(source)
+    return renamed
 
 
 def potential_parameters(model: Model) -> set[str]:
