@@ -25,6 +25,7 @@ from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.control_flow import node_reads
 from odt_ops.ir.model import Model, default_opset
 from odt_ops.ir.order import topological_order
+from odt_ops.ir.passes import SAME_TYPE_AS_INPUT
 from odt_ops.kernels import lookup
 
 MIN_OPSET = 18  # rules emit opset-18+ signatures (axes as inputs, Split num_outputs)
@@ -296,6 +297,13 @@ def _value_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
         g = inferred.graph
         for v in (*g.input, *g.value_info, *g.output):
             types.setdefault(v.name, v.type)
+    # onnx infers GroupNormalization-21 through its function body, whose Reshape to a computed
+    # shape loses the rank; the output is shaped as the input (what odt_ops.ir.passes completes at load)
+    for node in graph.node:
+        if node.op_type in SAME_TYPE_AS_INPUT and node.output and node.input and node.input[0] in types:
+            out = types.get(node.output[0])
+            if out is None or not out.tensor_type.HasField("shape"):
+                types[node.output[0]] = types[node.input[0]]
     return types
 
 
