@@ -80,6 +80,8 @@ def fold_constants(model: Model) -> bool:
     const = _LazyConstants(graph.initializer, model)
     parameters = potential_parameters(model)
     static_shapes = _static_shapes(graph)
+    known_dims = _known_dims(graph)
+    shape_dims: dict[str, list[int | None]] = {}  # a Shape node's output -> the dims it holds, None where unknown
     keep, added = [], []
     reshaped_from: dict[str, str] = {}  # a folded Reshape's (Unsqueeze's, ...) output -> its folded data input
     outputs = {o.name for o in graph.output}
@@ -95,6 +97,10 @@ def fold_constants(model: Model) -> bool:
             else:
                 attrs = node_attributes(node)
                 value = (np.array(shape, dtype=np.int64)[attrs.get("start", 0) : attrs.get("end", None)],)
+        elif node.op_type == "Gather" and node.input[0] in shape_dims and node.input[1] in const:
+            # x.size(i) of a value whose dim i is static while others (the batch) are not: the
+            # sizes exporters compute from it (MobileViT's patch folding, Resize targets) fold too
+            value = _static_dims_at(shape_dims[node.input[0]], const[node.input[1]])
         elif node.input and all(n == "" or n in const for n in node_reads(node)) and not parameters.intersection(node_reads(node)):
             try:  # a subgraph's outer reads follow the inputs (odt_ops/kernels/control_flow.py)
                 fn = bind_kernel(node, model.opset)
@@ -102,6 +108,9 @@ def fold_constants(model: Model) -> bool:
             except (OdtError, ArithmeticError, ValueError, TypeError, IndexError):
                 value = None  # leave it to run time, where errors name the node
         if value is None:
+            if node.op_type == "Shape" and node.input[0] in known_dims:
+                attrs = node_attributes(node)
+                shape_dims[node.output[0]] = known_dims[node.input[0]][attrs.get("start", 0) : attrs.get("end", None)]
             keep.append(node)
             continue
         for name, v in zip(node.output, value):
@@ -381,6 +390,28 @@ def replace_nodes(model: Model, nodes: list[onnx.NodeProto]) -> None:
     del model.graph.node[:]
     model.graph.node.extend(kept)
     model.forget_arrays()
+
+
+def _known_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
+    """Each value of known rank: its dims, None where not a number (a symbolic batch)."""
+    dims = {}
+    for v in (*graph.input, *graph.value_info, *graph.output):
+        tt = v.type.tensor_type
+        if tt.HasField("shape"):
+            dims[v.name] = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+    return dims
+
+
+def _static_dims_at(dims: list[int | None], indices: np.ndarray) -> tuple[np.ndarray] | None:
+    """Gather(shape, indices) when every gathered dim is a number, else None."""
+    if indices.dtype.kind not in "iu" or indices.ndim > 1:
+        return None
+    picked = []
+    for i in np.ravel(indices).tolist():
+        if not -len(dims) <= i < len(dims) or dims[i] is None:
+            return None
+        picked.append(dims[i])
+    return (np.array(picked if indices.ndim else picked[0], dtype=np.int64),)
 
 
 def _static_shapes(graph: onnx.GraphProto) -> dict[str, list[int]]:

@@ -44,3 +44,57 @@ def test_group_normalization_21_after_an_add_trains_like_torch(tmp_path):
     for name, t in (("b", tb), ("scale", tscale), ("bias", tbias)):
         expected = t.grad.numpy()
         assert np.max(np.abs(grads[name] - expected)) <= 1e-5 * np.max(np.abs(expected)) + 1e-7, name
+
+
+class PatchFold(torch.nn.Module if torch else object):
+    """MobileViT's unfold/fold: spatial sizes computed from x.shape (rounded up to whole patches),
+    an interpolate to them, tokens folded back into an image for a conv. The TorchScript exporter
+    writes the arithmetic as Shape/Gather/Add/Div/Mul/Concat on the traced sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.mix = torch.nn.Linear(4, 4)
+        self.project = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.stem(x)
+        batch, channels, height, width = h.shape
+        new_height, new_width = (height + 1) // 2 * 2, (width + 1) // 2 * 2
+        h = torch.nn.functional.interpolate(h, size=(new_height, new_width), mode="bilinear", align_corners=False)
+        tokens = self.mix(h.reshape(batch, channels, new_height * new_width).transpose(1, 2))
+        image = tokens.transpose(1, 2).reshape(batch, channels, new_height, new_width)
+        return self.head(torch.relu(self.project(image)).mean(dim=(2, 3)))
+
+
+def test_conv_and_resize_after_spatial_sizes_computed_from_shapes_train_like_torch(tmp_path):
+    """Exported with a dynamic batch, trained at another batch: the Conv's spatial dims and the
+    Resize's sizes are computed from the input's static sizes, so they fold to numbers while the
+    batch stays symbolic (before, the gradient builder refused: "the spatial dims of ... must be
+    static", "scales and sizes must be constants")."""
+    import io
+    import warnings
+
+    import onnx
+
+    torch.manual_seed(0)
+    net = PatchFold().train()
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randn(2, 3, 5, 5),), buffer, dynamo=False, opset_version=17, input_names=["x"],
+                          output_names=["y"], training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
+    proto = onnx.load_from_string(buffer.getvalue())
+    assert {"Resize", "Concat", "Shape", "Gather", "Div"} <= {n.op_type for n in proto.graph.node}
+    x = np.random.default_rng(1).standard_normal((3, 3, 5, 5)).astype(np.float32)
+    labels = np.array([0, 2, 1])
+    names = [n for n, _ in net.named_parameters()]
+    loss, grads = _train_step(tmp_path, proto, names, artifacts.LossType.CrossEntropyLoss, x, labels)
+    want = torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(labels))
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    for name, p in net.named_parameters():
+        expected = p.grad.numpy()
+        assert np.max(np.abs(grads[name] - expected)) <= 1e-4 * np.max(np.abs(expected)) + 1e-7, name
