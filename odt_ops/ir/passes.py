@@ -227,7 +227,8 @@ def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
         tt = value.type.tensor_type
         if not tt.HasField("shape") or len(tt.shape.dim) < 2:
             continue
-        dim = tt.shape.dim[0]
+        # a time-major recurrent input (odt_ops.ir.recurrent) has its batch at axis 1
+        dim = tt.shape.dim[model.batch_axes.get(value.name, 0)]
         if dim.dim_param != name:
             dim.Clear()
             dim.dim_param = name
@@ -236,7 +237,11 @@ def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
         del model.graph.value_info[:]
         for out in model.graph.output:
             tt = out.type.tensor_type
-            if tt.HasField("shape") and len(tt.shape.dim):
+            if not tt.HasField("shape") or not len(tt.shape.dim):
+                continue
+            if model.batch_axes:  # where the batch lands in each output is inference's to say
+                tt.ClearField("shape")
+            else:
                 tt.shape.dim[0].Clear()
                 tt.shape.dim[0].dim_param = name
     return changed

@@ -98,3 +98,51 @@ def test_conv_and_resize_after_spatial_sizes_computed_from_shapes_train_like_tor
     for name, p in net.named_parameters():
         expected = p.grad.numpy()
         assert np.max(np.abs(grads[name] - expected)) <= 1e-4 * np.max(np.abs(expected)) + 1e-7, name
+
+
+class TimeMajor(torch.nn.Module if torch else object):
+    """An embedding and an LSTM with batch_first=False: the batch is axis 1 of the token ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 4)
+        self.rnn = torch.nn.LSTM(4, 5)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, tokens):  # tokens [T, B]
+        out, _ = self.rnn(self.embed(tokens))
+        return self.head(out[-1])
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static-export", "dynamic-axis-1"])
+def test_a_time_major_recurrent_export_trains_like_torch_at_any_batch(tmp_path, dynamic):
+    """Exported at batch 2 (with no dynamic axis, or the batch marked at axis 1), trained at batch 3:
+    the symbolic batch goes on axis 1 of a time-major input, not on its time axis."""
+    import io
+    import warnings
+
+    import onnx
+
+    from tests.odt_ops.test_architectures import grad, layouts, match_parameters
+
+    torch.manual_seed(0)
+    net = TimeMajor().train()
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randint(0, 20, (6, 2)),), buffer, dynamo=False, opset_version=17, input_names=["tokens"],
+                          output_names=["y"], training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          **({"dynamic_axes": {"tokens": {1: "batch"}, "y": {0: "batch"}}} if dynamic else {}))
+    proto = onnx.load_from_string(buffer.getvalue())
+    matched = match_parameters(proto, net)
+    forms = layouts(net)
+    assert {p for key in matched.values() for p in forms[key][0]} == {n for n, _ in net.named_parameters()}
+    rng = np.random.default_rng(2)
+    tokens, labels = rng.integers(0, 20, (6, 3)).astype(np.int64), np.array([2, 0, 1])
+    loss, grads = _train_step(tmp_path, proto, sorted(matched), artifacts.LossType.CrossEntropyLoss, tokens, labels)
+    want = torch.nn.functional.cross_entropy(net(torch.from_numpy(tokens)), torch.from_numpy(labels))
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    for name, key in matched.items():
+        expected = np.reshape(forms[key][1](grad), grads[name].shape)
+        assert np.max(np.abs(grads[name] - expected)) <= 1e-4 * np.max(np.abs(expected)) + 1e-7, name
