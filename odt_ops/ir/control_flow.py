@@ -97,11 +97,13 @@ def lower_control_flow(model: Model) -> bool:
       same type and shape.
 
     Rewritten nodes may expose nested control flow, so this repeats until nothing changes.
-    What remains runs through the kernels (odt_ops/kernels/control_flow.py) but has no
-    gradient: its reason is put in the node's doc_string and warned about, and the outer
-    floating-point values a remaining Loop or Scan reads become explicit loop-carried inputs,
-    so the gradient walker (which sees node inputs only) finds the node on the path to a
-    parameter and the pre-flight check names it.
+    What remains runs through the kernels (odt_ops/kernels/control_flow.py). A remaining Loop
+    has a gradient rule of its own (odt_ops/grad/rules/control_flow.py: the body's gradient
+    run backwards over the saved iterations); an If or Scan has none: its reason is put in the
+    node's doc_string and warned about. The outer floating-point values a remaining Loop or
+    Scan reads become explicit loop-carried inputs, so the gradient walker (which sees node
+    inputs only) finds the node on the path to a parameter, and the Loop rule differentiates
+    them as carried values.
     """
     if not any(_is_control_flow(n) for n in model.graph.node):
         return False
@@ -579,10 +581,11 @@ class _Rewriter:
             except _Cannot as exc:
                 reason = str(exc)
             self.new_initializers.clear()
-            message = (f"{node.op_type} node {node.name!r} stays a node, which runs but has no gradient: {reason}. "
-                       "To train through it, export with static shapes and trip counts")
-            node.doc_string = message
-            warnings.warn(message, stacklevel=3)
+            if node.op_type != "Loop":  # a Loop has a gradient as a node (odt_ops/grad/rules/control_flow.py)
+                message = (f"{node.op_type} node {node.name!r} stays a node, which runs but has no gradient: {reason}. "
+                           "To train through it, export with static shapes and trip counts")
+                node.doc_string = message
+                warnings.warn(message, stacklevel=3)
             if node.op_type in ("Loop", "Scan") and floats and (node.op_type == "Loop" or self.opset >= 9):
                 changed |= self._carry_explicitly(node, floats)
         if changed:
