@@ -205,9 +205,11 @@ class Module:
         if len(user_inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({[s.name for s in specs]}), got {len(user_inputs)}")
         feeds = [spec.check(_as_array(x)) for spec, x in zip(specs, user_inputs)]
-        empty = next((spec.name for spec, x in zip(specs, feeds) if x.ndim and x.shape[0] == 0), None)
-        if empty is not None:  # a mean over no examples is 0/0: NaN, which would read as divergence
-            raise EmptyBatchError(f"input {empty!r} holds a batch of 0 examples ({[list(x.shape) for x in feeds]}); "
+        batched = [(spec.name, x) for spec, x in zip(specs, feeds) if x.ndim]
+        # a mean over no examples is 0/0: NaN, which would read as divergence. Every input empty
+        # along its first axis is an empty batch; one empty input may be an empty sequence
+        if batched and all(x.shape[0] == 0 for _, x in batched):
+            raise EmptyBatchError(f"input {batched[0][0]!r} holds a batch of 0 examples ({[list(x.shape) for x in feeds]}); "
                                   "skip empty batches (e.g. drop_last or a check on len(batch)). Nothing was updated")
         n = step.n_outputs
         if self.training:

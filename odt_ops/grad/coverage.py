@@ -23,7 +23,8 @@ NOT_DIFFERENTIABLE: dict[str, str] = {
     "OneHot": "its indices are integers; a gradient for its on/off values has no use in a model",
     "If": "differentiated by taking the branch at load when the condition is known, else both branches "
           "(odt_ops/ir/control_flow.py), never as a node",
-    "Scan": "differentiated by unrolling at load over the scanned length (odt_ops/ir/control_flow.py)",
+    "Scan": "differentiated by unrolling at load over a static length, else as the Loop it becomes (axis 0, forwards; "
+            "odt_ops/ir/control_flow.py)",
 }
 
 _INTEGER = "integer arithmetic: nothing in it trains"

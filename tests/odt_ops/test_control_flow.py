@@ -246,6 +246,49 @@ def test_a_loop_with_a_run_time_trip_count_trains_like_torch(tmp_path):
         np.testing.assert_allclose(state.parameters["W"].grad, expected, rtol=1e-4, atol=1e-7, err_msg=f"{steps} steps")
 
 
+def test_a_scan_over_a_run_time_length_trains_like_torch(tmp_path):
+    """s = s0; for x in xs (its length known at run time only): s = tanh(s @ W + x), y += s. The
+    Scan becomes the Loop it means and trains through the Loop's gradient, for 0, 2 and 5 steps,
+    against torch autograd of the same Python loop."""
+    import torch
+
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["s", "W"], ["sw"]), helper.make_node("Add", ["sw", "x"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["s_out"]), helper.make_node("Identity", ["s_out"], ["y"])],
+        "body", [_vi("s", F, [1, 4]), _vi("x", F, [1, 4])], [_vi("s_out", F, [1, 4]), _vi("y", F, [1, 4])])
+    rng = np.random.default_rng(5)
+    W0, s0 = (rng.standard_normal((4, 4)) * 0.6).astype(np.float32), rng.standard_normal((1, 4)).astype(np.float32)
+    model = _model([helper.make_node("Scan", ["s0", "xs"], ["s_last", "ys"], body=body, num_scan_inputs=1, name="the_scan"),
+                    helper.make_node("ReduceSum", ["ys", "axis0"], ["y_sum"], keepdims=0),
+                    helper.make_node("Add", ["y_sum", "s_last"], ["out"])],
+                   [_vi("xs", F, ["steps", 1, 4])], [_vi("out", F, [1, 4])],
+                   [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(s0, "s0"),
+                    numpy_helper.from_array(np.array([0], np.int64), "axis0")])
+    artifacts.generate_artifacts(model, requires_grad=["W", "s0"], loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    assert not _ops(onnx.load(tmp_path / "training_model.onnx")) & {"Scan"}
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    target = np.array([[0.2, -0.1, 0.4, 0.0]], np.float32)
+    for steps in (0, 2, 5):
+        xs = rng.standard_normal((steps, 1, 4)).astype(np.float32)
+        module.lazy_reset_grad()
+        loss = module(xs, target)
+        W, s = torch.tensor(W0, requires_grad=True), torch.tensor(s0, requires_grad=True)
+        h, total = s, torch.zeros(1, 4)
+        for t in range(steps):
+            h = torch.tanh(h @ W + torch.from_numpy(xs[t]))
+            total = total + h
+        want = torch.nn.functional.mse_loss(total + h, torch.from_numpy(target))
+        want.backward()
+        np.testing.assert_allclose(float(loss), want.item(), rtol=1e-5, err_msg=f"{steps} steps")
+        for name, p in (("W", W), ("s0", s)):
+            expected = p.grad.numpy() if p.grad is not None else np.zeros_like(p.detach().numpy())
+            np.testing.assert_allclose(state.parameters[name].grad, expected, rtol=1e-4, atol=1e-7, err_msg=f"{name}, {steps} steps")
+
+
 # ---- training through lowered control flow, against torch autograd ---------------------------------
 
 def _train_one_step(proto, requires_grad, x_feeds, labels, tmp_path):
