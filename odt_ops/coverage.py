@@ -23,8 +23,8 @@ NOT_DIFFERENTIABLE: dict[str, str] = {
     "OneHot": "its indices are integers; a gradient for its on/off values has no use in a model",
     "If": "differentiated by taking the branch at load when the condition is known, else both branches "
           "(odt_ops/ir/control_flow.py), never as a node",
-    "Loop": "differentiated by unrolling at load when the trip count is known (odt_ops/ir/control_flow.py)",
-    "Scan": "differentiated by unrolling at load over the scanned length (odt_ops/ir/control_flow.py)",
+    "Scan": "differentiated by unrolling at load over a static length, else as the Loop it becomes (axis 0, forwards; "
+            "odt_ops/ir/control_flow.py)",
     "QuantizeLinear": "its output is integer; generate_artifacts trains a QDQ model through each Quantize/DequantizeLinear "
                       "pair with the straight-through estimator, written in standard ops beside it (odt_ops/quant/qat.py)",
 }

@@ -129,3 +129,21 @@ class LoraError(OdtError, ValueError):
 
 class QuantizationError(OdtError, ValueError):
     """A quantized (QDQ) model cannot be fine-tuned or re-quantized as asked; names the node and why."""
+
+
+# Bad numbers given to a training step (issue 21): each names the value and leaves the state as it was.
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument has the wrong type (a learning rate given as a string or None); also the
+    TypeError that ONNX Runtime's bindings raise for it."""
+
+
+class LabelError(InputError):
+    """A class label lies outside [0, classes) (and is not the loss's ignore_index)."""
+
+
+class EmptyBatchError(InputError):
+    """A train or eval step was given a batch of no examples."""
+
+
+class NonFiniteValueError(CheckpointError):
+    """A checkpoint would hold NaN or infinite parameters, buffers or optimizer states."""

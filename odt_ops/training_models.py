@@ -20,6 +20,7 @@ from odt_ops import meta
 from odt_ops.errors import ArtifactError
 from odt_ops.grad.build import build_gradients
 from odt_ops.ir.builder import GraphBuilder
+from odt_ops.ir.graph import node_reads
 from odt_ops.ir.model import TARGET_IR_VERSION, Model
 from odt_ops.ir.modes import set_inference_mode, set_training_mode
 
@@ -146,7 +147,7 @@ def _complete_output_types(proto: onnx.ModelProto) -> None:
 
 def finish(proto: onnx.ModelProto, what: str) -> onnx.ModelProto:
     proto.ir_version = TARGET_IR_VERSION
-    used = {n for node in proto.graph.node for n in node.input} | {o.name for o in proto.graph.output}
+    used = {n for node in proto.graph.node for n in node_reads(node)} | {o.name for o in proto.graph.output}  # Loop bodies' too
     unused = [t for t in proto.graph.initializer if t.name not in used]
     for t in unused:
         proto.graph.initializer.remove(t)

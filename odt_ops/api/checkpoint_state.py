@@ -13,7 +13,7 @@ import numpy as np
 
 from odt_ops.api.training_state import TrainingState
 from odt_ops.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from odt_ops.errors import CheckpointError
+from odt_ops.errors import CheckpointError, NonFiniteValueError
 
 Property = int | float | str
 
@@ -131,6 +131,20 @@ class Properties(_PairView):
         del self._props[key]
 
 
+def _refuse_non_finite(ckpt: Checkpoint, path, include_optimizer_state: bool) -> None:
+    """Raise, naming them, when parameters, buffers or (saved) optimizer states hold NaN or
+    infinities: a checkpoint that cannot train any more is better not written over a good one."""
+    arrays = [(n, a) for n, a in (*ckpt.parameters.items(), *ckpt.buffers.items()) if n not in ckpt.missing]
+    if include_optimizer_state and ckpt.optimizer is not None:
+        arrays += [(f"{p} ({s})", a) for p, states in ckpt.optimizer.states.items() for s, a in states.items()]
+    bad = [(n, int(np.size(a) - np.count_nonzero(np.isfinite(a)))) for n, a in arrays
+           if np.asarray(a).dtype.kind in "fc" and not np.all(np.isfinite(a))]
+    if bad:
+        listed = ", ".join(f"{n!r} ({k} values)" for n, k in bad[:8]) + (", ..." if len(bad) > 8 else "")
+        raise NonFiniteValueError(f"{path}: not saved: {listed} hold NaN or infinite values; training diverged "
+                                  "before this point. Load the last good checkpoint and lower the learning rate")
+
+
 class CheckpointState:
     """The training state shared by a Module and its Optimizer (``training_state``, which a Module
     binding this state fills in)."""
@@ -145,6 +159,7 @@ class CheckpointState:
     @classmethod
     def save_checkpoint(cls, state: "CheckpointState", checkpoint_uri: str | os.PathLike, include_optimizer_state: bool = False) -> None:
         state.training_state.sync()
+        _refuse_non_finite(state.training_state.checkpoint, checkpoint_uri, include_optimizer_state)
         save_checkpoint(state.training_state.checkpoint, checkpoint_uri, include_optimizer_state=include_optimizer_state)
 
     @property

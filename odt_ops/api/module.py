@@ -20,7 +20,7 @@ import onnx
 from odt_ops import meta
 from odt_ops.api.checkpoint_state import CheckpointState
 from odt_ops.api.training_state import CompiledStep, FlatBuffers, TrainingState
-from odt_ops.errors import ArtifactError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
+from odt_ops.errors import ArtifactError, EmptyBatchError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
 from odt_ops.ir.load import check_artifact, read_model
 from odt_ops.ir.model import Model, tensor_to_array
 from odt_ops.runtime.plan import Plan
@@ -214,6 +214,12 @@ class Module:
         if len(user_inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({[s.name for s in specs]}), got {len(user_inputs)}")
         feeds = [spec.check(_as_array(x)) for spec, x in zip(specs, user_inputs)]
+        batched = [(spec.name, x) for spec, x in zip(specs, feeds) if x.ndim]
+        # a mean over no examples is 0/0: NaN, which would read as divergence. Every input empty
+        # along its first axis is an empty batch; one empty input may be an empty sequence
+        if batched and all(x.shape[0] == 0 for _, x in batched):
+            raise EmptyBatchError(f"input {batched[0][0]!r} holds a batch of 0 examples ({[list(x.shape) for x in feeds]}); "
+                                  "skip empty batches (e.g. drop_last or a check on len(batch)). Nothing was updated")
         n = step.n_outputs
         if self.training:
             # a reset step computes the gradients into their buffer; an accumulating one into a

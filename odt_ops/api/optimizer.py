@@ -8,6 +8,8 @@ loading it later resumes exactly.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import numpy as np
@@ -16,7 +18,7 @@ from odt_ops import meta
 from odt_ops.api.module import Module
 from odt_ops.api.training_state import FlatBuffers, TrainingState
 from odt_ops.checkpoint import OptimizerState
-from odt_ops.errors import ArtifactError, CheckpointError
+from odt_ops.errors import ArgumentError, ArgumentTypeError, ArtifactError, CheckpointError
 from odt_ops.ir.load import read_model
 from odt_ops.onnxblock import optim
 
@@ -36,6 +38,20 @@ def optimizer_from_metadata(data: dict, source: str) -> optim.Optimizer:
         return cls(**params)
     except (TypeError, ValueError) as exc:
         raise ArtifactError(f"{source}: the {data.get('kind')} hyperparameters {params} are damaged: {exc}") from None
+
+
+def checked_learning_rate(learning_rate) -> float:
+    """``learning_rate`` as a float, or a typed error naming it: a NaN, infinite or negative rate
+    would turn every parameter non-finite or climb the loss at the next step, in silence."""
+    # numbers.Real takes Python and numpy floats and ints; bool is an int but never meant as a rate
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
+        raise ArgumentTypeError(f"set_learning_rate({learning_rate!r}): the learning rate is a number, "
+                                f"got {type(learning_rate).__name__}; pass a float such as 1e-3")
+    rate = float(learning_rate)
+    if not math.isfinite(rate) or rate < 0:
+        raise ArgumentError(f"set_learning_rate({learning_rate!r}): the learning rate must be a finite number >= 0; "
+                            "the optimizer state was left as it was")
+    return rate
 
 
 class Optimizer:
@@ -77,7 +93,7 @@ class Optimizer:
             self._opt.update(params, grads, states, progress.learning_rate, progress.step)
 
     def set_learning_rate(self, learning_rate: float) -> None:
-        self._progress.learning_rate = float(learning_rate)
+        self._progress.learning_rate = checked_learning_rate(learning_rate)
 
     def get_learning_rate(self) -> float:
         return float(self._progress.learning_rate)

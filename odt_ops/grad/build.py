@@ -24,6 +24,7 @@ from odt_ops.grad.registry import GradContext, lookup_gradient
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.graph import node_reads, topological_order
 from odt_ops.ir.model import Model, default_opset
+from odt_ops.ir.passes import SAME_TYPE_AS_INPUT
 from odt_ops.kernels import lookup
 
 MIN_OPSET = 18  # rules emit opset-18+ signatures (axes as inputs, Split num_outputs)
@@ -288,14 +289,47 @@ def _value_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
         types[t.name] = helper.make_tensor_type_proto(t.data_type, list(t.dims))
     produced = [o for n in graph.node for o in n.output if o]
     if any(o not in types for o in produced):
-        try:
-            inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
-        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-            raise GradientError(f"shape inference failed, so gradient shapes are unknown: {exc}") from None
-        g = inferred.graph
-        for v in (*g.input, *g.value_info, *g.output):
-            types.setdefault(v.name, v.type)
+        _infer_into(proto, types)
+    completed = _complete_from_inputs(graph, types)
+    if completed:  # what the completed values feed is inferred again from them
+        typed = onnx.ModelProto()
+        typed.CopyFrom(proto)
+        known = {v.name for v in (*typed.graph.input, *typed.graph.output)}
+        typed.graph.value_info.extend(helper.make_value_info(n, types[n]) for n in completed if n not in known)
+        for out in typed.graph.output:
+            if out.name in completed:
+                out.type.CopyFrom(types[out.name])
+        _infer_into(typed, types, override=lambda tp: not tp.tensor_type.HasField("shape"))
     return types
+
+
+def _infer_into(proto: onnx.ModelProto, types: dict[str, onnx.TypeProto], override=lambda tp: False) -> None:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        raise GradientError(f"shape inference failed, so gradient shapes are unknown: {exc}") from None
+    g = inferred.graph
+    for v in (*g.input, *g.value_info, *g.output):
+        if v.name not in types or (override(types[v.name]) and v.type.tensor_type.HasField("shape")):
+            types[v.name] = v.type
+
+
+def _complete_from_inputs(graph: onnx.GraphProto, types: dict[str, onnx.TypeProto]) -> list[str]:
+    """Outputs onnx leaves of unknown rank whose type is an input's: GroupNormalization-21's (onnx
+    infers it through the function body, whose Reshape to a computed shape loses the rank; what
+    odt_ops.ir.passes completes at load) and a Loop's final carried values (typed as what they
+    start from). Returns the names completed."""
+    completed = []
+    for node in graph.node:
+        pairs = [(node.input[0], node.output[0])] if node.op_type in SAME_TYPE_AS_INPUT and node.output and node.input else []
+        if node.op_type == "Loop":
+            pairs = list(zip(node.input[2:], node.output))
+        for source, out in pairs:
+            known = types.get(out)
+            if source in types and types[source].tensor_type.HasField("shape") and (known is None or not known.tensor_type.HasField("shape")):
+                types[out] = types[source]
+                completed.append(out)
+    return completed
 
 
 __all__ = ["Gradients", "build_gradients", "missing_gradients", "unbroadcast"]

@@ -15,7 +15,7 @@ from onnx import helper, numpy_helper
 from odt_ops.ir import passes
 from odt_ops.ir.binding import bind_kernel
 from odt_ops.ir.builder import unique_name
-from odt_ops.ir.graph import AT, implicit_inputs, node_reads, producers, subgraphs, topological_order
+from odt_ops.ir.graph import AT, all_nodes, implicit_inputs, node_reads, producers, subgraphs, topological_order
 from odt_ops.ir.model import Model
 
 # ---- lowering at load -------------------------------------------------------------------------
@@ -38,11 +38,14 @@ def lower_control_flow(model: Model) -> bool:
       same type and shape.
 
     Rewritten nodes may expose nested control flow, so this repeats until nothing changes.
-    What remains runs through the kernels (odt_ops/kernels/control_flow.py) but has no
-    gradient: its reason is put in the node's doc_string and warned about, and the outer
-    floating-point values a remaining Loop or Scan reads become explicit loop-carried inputs,
-    so the gradient walker (which sees node inputs only) finds the node on the path to a
-    parameter and the pre-flight check names it.
+    What remains runs through the kernels (odt_ops/kernels/control_flow.py). A remaining Scan
+    over axis 0 becomes the Loop it means; a remaining Loop has a gradient rule of its own
+    (odt_ops/grad/rules/control_flow.py: the body's gradient run backwards over the saved
+    iterations); an If or other Scan has none: its reason is put in the node's doc_string
+    and warned about. The outer floating-point values a remaining Loop or
+    Scan reads become explicit loop-carried inputs, so the gradient walker (which sees node
+    inputs only) finds the node on the path to a parameter, and the Loop rule differentiates
+    them as carried values.
     """
     if not any(_is_control_flow(n) for n in model.graph.node):
         return False
@@ -57,7 +60,54 @@ def lower_control_flow(model: Model) -> bool:
         passes.inline_constant_nodes(model)  # the bodies' Constant nodes, now top-level
         changed = True
     changed |= _concat_built_sequences(model)
+    changed |= _scans_as_loops(model)
     _Rewriter(model).explain_remaining()
+    return changed
+
+
+def _scans_as_loops(model: Model) -> bool:
+    """A Scan left after lowering (its length known only at run time) becomes the Loop it
+    means, which has a gradient rule: M = the scan inputs' length, and the body gathers each
+    x[t] itself (``Gather(xs, i)``). Only Scans over axis 0, forwards, with outputs stacked
+    along axis 0 (what the defaults say and exporters write); others stay Scans."""
+    if model.opset < 11:  # Loop-11's body may read outer values and its M may be a computed scalar
+        return False
+    graph = model.graph
+    taken = {v.name for v in (*graph.input, *graph.output, *graph.value_info)} | {t.name for t in graph.initializer}
+    taken |= {o for n in all_nodes(graph.node) for o in (*n.input, *n.output)} | {n.name for n in all_nodes(graph.node)}
+    nodes, changed = [], False
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.type != AT.GRAPH}
+        m = attrs.get("num_scan_inputs", 0)
+        if node.op_type != "Scan" or node.domain not in ("", "ai.onnx") or any(
+                any(attrs.get(k) or []) for k in ("scan_input_axes", "scan_input_directions", "scan_output_axes",
+                                                   "scan_output_directions")):
+            nodes.append(node)
+            continue
+        body = _attr_graph(node, "body")
+        n = len(node.input) - m
+        xs = list(node.input[n:])
+        label = node.name or node.output[0]
+        zero = unique_name(f"{label}/axis0", taken)
+        graph.initializer.append(numpy_helper.from_array(np.array(0, np.int64), zero))
+        shape, length = unique_name(f"{label}/shape", taken), unique_name(f"{label}/length", taken)
+        nodes += [helper.make_node("Shape", [xs[0]], [shape], name=shape),
+                  helper.make_node("Gather", [shape, zero], [length], name=length)]
+        step, go, go_out = (unique_name(f"{label}/{hint}", taken) for hint in ("t", "cond", "cond_out"))
+        gathers = [helper.make_node("Gather", [x, step], [formal.name], name=unique_name(f"{label}/{formal.name}/at_t", taken), axis=0)
+                   for x, formal in zip(xs, body.input[n:])]
+        loop_body = helper.make_graph(
+            [*gathers, *body.node, helper.make_node("Identity", [go], [go_out], name=go_out)], body.name or "scan_body",
+            [helper.make_tensor_value_info(step, onnx.TensorProto.INT64, []), helper.make_tensor_value_info(go, onnx.TensorProto.BOOL, []),
+             *body.input[:n]],
+            [helper.make_tensor_value_info(go_out, onnx.TensorProto.BOOL, []), *body.output], list(body.initializer))
+        loop_body.value_info.extend(body.value_info)
+        nodes.append(helper.make_node("Loop", [length, "", *node.input[:n]], list(node.output), name=node.name, body=loop_body))
+        changed = True
+    if changed:
+        del graph.node[:]
+        graph.node.extend(nodes)
+        model.forget_arrays()
     return changed
 
 
@@ -515,10 +565,11 @@ class _Rewriter:
             except _Cannot as exc:
                 reason = str(exc)
             self.new_initializers.clear()
-            message = (f"{node.op_type} node {node.name!r} stays a node, which runs but has no gradient: {reason}. "
-                       "To train through it, export with static shapes and trip counts")
-            node.doc_string = message
-            warnings.warn(message, stacklevel=3)
+            if node.op_type != "Loop":  # a Loop has a gradient as a node (odt_ops/grad/rules/control_flow.py)
+                message = (f"{node.op_type} node {node.name!r} stays a node, which runs but has no gradient: {reason}. "
+                           "To train through it, export with static shapes and trip counts")
+                node.doc_string = message
+                warnings.warn(message, stacklevel=3)
             if node.op_type in ("Loop", "Scan") and floats and (node.op_type == "Loop" or self.opset >= 9):
                 changed |= self._carry_explicitly(node, floats)
         if changed:

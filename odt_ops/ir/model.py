@@ -23,6 +23,7 @@ class Model:
     source: str = "<in-memory model>"  # named in error messages
     normalized: bool = False  # load_model has run on it: loading it again is a no-op
     derived: set[str] = field(default_factory=set)  # initializers made by folding, not the user's weights
+    batch_axes: dict[str, int] = field(default_factory=dict)  # graph inputs whose batch is not axis 0 (time-major)
     _arrays: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @property

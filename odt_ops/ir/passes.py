@@ -84,7 +84,10 @@ def fold_constants(model: Model) -> bool:
     const = _LazyConstants(graph.initializer, model)
     parameters = potential_parameters(model)
     static_shapes = _static_shapes(graph)
+    known_dims = _known_dims(graph)
+    shape_dims: dict[str, list[int | None]] = {}  # a Shape node's output -> the dims it holds, None where unknown
     keep, added = [], []
+    reshaped_from: dict[str, str] = {}  # a folded Reshape's (Unsqueeze's, ...) output -> its folded data input
     outputs = {o.name for o in graph.output}
     for node in graph.node:
         value = None
@@ -98,6 +101,10 @@ def fold_constants(model: Model) -> bool:
             else:
                 attrs = node_attributes(node)
                 value = (np.array(shape, dtype=np.int64)[attrs.get("start", 0) : attrs.get("end", None)],)
+        elif node.op_type == "Gather" and node.input[0] in shape_dims and node.input[1] in const:
+            # x.size(i) of a value whose dim i is static while others (the batch) are not: the
+            # sizes exporters compute from it (MobileViT's patch folding, Resize targets) fold too
+            value = _static_dims_at(shape_dims[node.input[0]], const[node.input[1]])
         elif node.input and all(n == "" or n in const for n in node_reads(node)) and not parameters.intersection(node_reads(node)):
             try:  # a subgraph's outer reads follow the inputs (odt_ops/kernels/control_flow.py)
                 fn = bind_kernel(node, model.opset)
@@ -105,22 +112,61 @@ def fold_constants(model: Model) -> bool:
             except (OdtError, ArithmeticError, ValueError, TypeError, IndexError):
                 value = None  # leave it to run time, where errors name the node
         if value is None:
+            if node.op_type == "Shape" and node.input[0] in known_dims:
+                attrs = node_attributes(node)
+                shape_dims[node.output[0]] = known_dims[node.input[0]][attrs.get("start", 0) : attrs.get("end", None)]
             keep.append(node)
             continue
         for name, v in zip(node.output, value):
             if name:
                 const[name] = np.asarray(v)
                 added.append(name)
+        if node.op_type in _SAME_VALUES and node.input[0] in added:
+            reshaped_from[node.output[0]] = node.input[0]
     if not added:
         return False
     used = {n for node in keep for n in node_reads(node)} | outputs  # subgraphs read outer values by name
+    names = _names_users_gave(added, used, reshaped_from, keep, outputs, {t.name for t in graph.initializer})
     for name in added:
         if name in used:
-            graph.initializer.append(numpy_helper.from_array(const[name], name))
-            model.derived.add(name)
+            graph.initializer.append(numpy_helper.from_array(const[name], names.get(name, name)))
+            model.derived.add(names.get(name, name))
+    if names:
+        for node in keep:
+            node.input[:] = [names.get(n, n) for n in node.input]
+        # the source's recorded shape is the one before the Reshape: let inference find it again
+        stale = set(names) | set(names.values())
+        kept_info = [v for v in graph.value_info if v.name not in stale]
+        del graph.value_info[:]
+        graph.value_info.extend(kept_info)
     replace_nodes(model, keep)
     prune_unused(model)
     return True
+
+
+# ops that hand their data input's values on unchanged, only in another shape
+_SAME_VALUES = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
+
+
+def _names_users_gave(added: list[str], used: set[str], reshaped_from: dict[str, str], keep: list[onnx.NodeProto],
+                      outputs: set[str], taken: set[str]) -> dict[str, str]:
+    """{folded value: the name to store it under}: a weight the file makes as ConstantOfShape ->
+    Reshape (the onnx zoo's inception and densenet do) keeps the name its maker gave it, the one
+    a user reads in the file and passes to requires_grad, rather than the Reshape's output name.
+    Only where nothing else reads the original value and no subgraph reads the folded one by name."""
+    implicit = {n for node in keep for n in implicit_inputs(node)}
+    renamed: dict[str, str] = {}
+    claimed = set(taken)
+    for name in added:
+        if name not in used or name in outputs or name in implicit or name not in reshaped_from:
+            continue
+        source = name
+        while source in reshaped_from and reshaped_from[source] not in used and reshaped_from[source] not in claimed:
+            source = reshaped_from[source]
+        if source != name:
+            renamed[name] = source
+            claimed.add(source)
+    return renamed
 
 
 def potential_parameters(model: Model) -> set[str]:
@@ -185,7 +231,8 @@ def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
         tt = value.type.tensor_type
         if not tt.HasField("shape") or len(tt.shape.dim) < 2:
             continue
-        dim = tt.shape.dim[0]
+        # a time-major recurrent input (odt_ops.ir.recurrent) has its batch at axis 1
+        dim = tt.shape.dim[model.batch_axes.get(value.name, 0)]
         if dim.dim_param != name:
             dim.Clear()
             dim.dim_param = name
@@ -194,7 +241,11 @@ def symbolic_batch_dim(model: Model, name: str = "batch") -> bool:
         del model.graph.value_info[:]
         for out in model.graph.output:
             tt = out.type.tensor_type
-            if tt.HasField("shape") and len(tt.shape.dim):
+            if not tt.HasField("shape") or not len(tt.shape.dim):
+                continue
+            if model.batch_axes:  # where the batch lands in each output is inference's to say
+                tt.ClearField("shape")
+            else:
                 tt.shape.dim[0].Clear()
                 tt.shape.dim[0].dim_param = name
     return changed
@@ -345,6 +396,28 @@ def replace_nodes(model: Model, nodes: list[onnx.NodeProto]) -> None:
     del model.graph.node[:]
     model.graph.node.extend(kept)
     model.forget_arrays()
+
+
+def _known_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
+    """Each value of known rank: its dims, None where not a number (a symbolic batch)."""
+    dims = {}
+    for v in (*graph.input, *graph.value_info, *graph.output):
+        tt = v.type.tensor_type
+        if tt.HasField("shape"):
+            dims[v.name] = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+    return dims
+
+
+def _static_dims_at(dims: list[int | None], indices: np.ndarray) -> tuple[np.ndarray] | None:
+    """Gather(shape, indices) when every gathered dim is a number, else None."""
+    if indices.dtype.kind not in "iu" or indices.ndim > 1:
+        return None
+    picked = []
+    for i in np.ravel(indices).tolist():
+        if not -len(dims) <= i < len(dims) or dims[i] is None:
+            return None
+        picked.append(dims[i])
+    return (np.array(picked if indices.ndim else picked[0], dtype=np.int64),)
 
 
 def _static_shapes(graph: onnx.GraphProto) -> dict[str, list[int]]:

@@ -62,6 +62,7 @@ def unroll_recurrent(model: Model) -> bool:
     graph = model.graph
     if not any(_is_recurrent(n) for n in graph.node):
         return False
+    model.batch_axes.update(dict.fromkeys(_time_major_inputs(graph), 1))  # read before the nodes are gone
     types = _value_types(model)
     constants = {t.name: t for t in graph.initializer
                  if t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) <= _SMALL_CONSTANT}
@@ -98,6 +99,35 @@ def _read_names(graph: onnx.GraphProto) -> set[str]:
             for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
                 names |= _read_names(sub)
     return names
+
+
+# ops whose output keeps the leading axes of the input named by the index: a time-major
+# sequence stays time-major through them (an embedding lookup of [T, B] token ids included)
+_KEEPS_LEADING_AXES = {op: 0 for op in ("Identity", "Cast", "Dropout", "Relu", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div",
+                                        "MatMul", "LayerNormalization")} | {"Gather": 1}
+
+
+def _time_major_inputs(graph: onnx.GraphProto) -> set[str]:
+    """Graph inputs that reach a recurrent node's X in its default layout (time, batch, features)
+    through ops that keep their leading axes: their batch is axis 1, not 0."""
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, i))
+    found = set()
+    for value in graph.input:
+        frontier, seen = [value.name], {value.name}
+        while frontier:
+            name = frontier.pop()
+            for node, i in readers.get(name, []):
+                if _is_recurrent(node) and i == 0 and node_attributes(node).get("layout", 0) == 0:
+                    found.add(value.name)
+                elif node.op_type in _KEEPS_LEADING_AXES and _KEEPS_LEADING_AXES[node.op_type] == i and node.output[0] not in seen:
+                    if node.op_type == "Gather" and node_attributes(node).get("axis", 0) != 0:
+                        continue
+                    seen.add(node.output[0])
+                    frontier.append(node.output[0])
+    return found
 
 
 def _is_recurrent(node: onnx.NodeProto) -> bool:

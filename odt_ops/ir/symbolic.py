@@ -246,6 +246,12 @@ def _even_split(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[st
 
 def _shape_taking_output(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str, list[Dim] | None]) -> list[Dim] | None:
     op, ins = node.op_type, list(node.input)
+    if op == "Resize":  # by sizes, Concat(Shape(x)[:2], H, W) as interpolate(x, size=...) exports
+        target = values.get(ins[3]) if len(ins) > 3 and ins[3] else None
+        if target is None or target.scalar or _attr(node, "axes") is not None:
+            return None
+        data = shapes.get(ins[0])
+        return [_format(m) for m in target.items] if data is not None and len(data) == len(target.items) else None
     if op not in ("ConstantOfShape", "Expand", "Reshape") or len(ins) < 1:
         return None
     target = values.get(ins[0] if op == "ConstantOfShape" else ins[1]) if len(ins) > (op != "ConstantOfShape") else None

@@ -9,6 +9,7 @@ import functools
 
 import numpy as np
 
+from odt_ops.errors import LabelError
 from odt_ops.kernels.reduce import log_softmax_along, max_along, sum_along
 from odt_ops.kernels.registry import kernel
 
@@ -27,8 +28,21 @@ def _class_index(X: np.ndarray, labels: np.ndarray, ignore_index: int | None) ->
         keep = labels != ignore_index
         labels = np.where(keep, labels, 0)
     if labels.size and (labels.min() < 0 or labels.max() >= X.shape[1]):
-        raise ValueError(f"labels must lie in [0, {X.shape[1]}) (or equal ignore_index={ignore_index})")
+        raise _label_error(labels, keep, X.shape[1], ignore_index)
     return labels, keep
+
+
+def _label_error(labels: np.ndarray, keep: np.ndarray | None, classes: int, ignore_index: int | None) -> LabelError:
+    """The error naming the first label outside [0, classes), where it is and how many are."""
+    bad = (labels < 0) | (labels >= classes)
+    if keep is not None:
+        bad &= keep
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    original = int(labels[where])
+    ignored = f" and not ignore_index={ignore_index}" if ignore_index is not None else ""
+    return LabelError(f"label {original} at position {list(where)} is outside [0, {classes}){ignored}: the scores have {classes} "
+                      f"classes ({int(bad.sum())} of {labels.size} labels are out of range); fix the labels or the model's "
+                      "class count. Nothing was updated")
 
 
 def label_positions(X: np.ndarray, labels: np.ndarray) -> np.ndarray:

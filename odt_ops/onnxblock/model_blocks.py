@@ -60,7 +60,8 @@ class ForwardBlock(Block):
 
 
 class TrainingBlock(Block):
-    """Subclass and implement ``build`` returning the loss; mark what trains with
+    """Subclass and implement ``build`` returning the loss (or ``(loss, *extra outputs)``, which the
+    training and eval models put out after the loss and ``Module`` returns); mark what trains with
     ``requires_grad(name)``; calling the block inside ``onnxblock.base(model)`` builds the
     training and eval models (``to_model_proto()``) and records ``parameters()``."""
 
@@ -99,11 +100,15 @@ class TrainingBlock(Block):
         self.base = flush()
         user_inputs = [i.name for i in self.base.graph.input]
         output = super().__call__(*args, **kwargs)
-        loss = _names(output)
-        if len(loss) != 1:
-            raise ArtifactError(f"{type(self).__name__}.build must return the name of one loss value, got {loss}")
+        # as in ONNX Runtime: the loss first, then any values the user wants back (ORT's desktop
+        # MNIST example returns (loss, output)); they become the training model's extra outputs
+        names = _names(output)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ArtifactError(f"{type(self).__name__}.build must return the loss's name, or (loss, *extra outputs) "
+                                f"as names, got {output!r}")
+        loss, extra = names[0], names[1:]
         model = flush()
-        _outputs_only(model, loss)
+        _outputs_only(model, names)
         initializers = {t.name: t for t in model.graph.initializer}
         wanted_inputs = [n for n in self._requires_grad if n not in initializers]
         unknown = [n for n in wanted_inputs if n not in {i.name for i in model.graph.input}]
@@ -115,8 +120,8 @@ class TrainingBlock(Block):
         # the running statistics are parameters that do not train, as ONNX Runtime counts them
         frozen = split.frozen + split.buffers
         self._parameters = ([initializers[n] for n in split.trainable], [initializers[n] for n in frozen if n in initializers])
-        train, evaluation = training_graphs(normalized.proto, split, loss[0], [],
-                                            [n for n in user_inputs if n not in initializers], [loss[0]],
+        train, evaluation = training_graphs(normalized.proto, split, loss, extra,
+                                            [n for n in user_inputs if n not in initializers], extra or [loss],
                                             input_gradients=wanted_inputs)
         _add_ort_accumulation(train, [*split.trainable, *wanted_inputs])
         self._models = (train, evaluation)

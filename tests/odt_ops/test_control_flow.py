@@ -179,43 +179,114 @@ def test_static_loop_and_scan_unroll_and_constant_if_inlines_at_load():
     np.testing.assert_array_equal(InferenceSession(model).run(None, {"x": x})[0], x * [3, 4])
 
 
-def test_dynamic_loop_fails_the_preflight_check_naming_the_node(tmp_path, capsys):
-    """The body reads the weight from outside; the trip count is an input: no unrolling, no gradient."""
-    import warnings
-
-    from odt_ops.__main__ import main
-    from odt_ops.artifacts import check_coverage
-
+def _hand_written_loop() -> onnx.ModelProto:
+    """h = x; repeat `steps` times (an input: known at run time only): h = tanh(h @ W); the body
+    reads the weight W from outside."""
     body = helper.make_graph(
         [helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("MatMul", ["h", "W"], ["h1"]),
          helper.make_node("Tanh", ["h1"], ["h_out"])],
         "body", [_vi("i", I64, []), _vi("cond", B, []), _vi("h", F, [1, 4])], [_vi("cond_out", B, []), _vi("h_out", F, [1, 4])])
-    model = _model([helper.make_node("Loop", ["steps", "", "x"], ["h"], body=body, name="the_loop"),
-                    helper.make_node("ReduceSum", ["h"], ["y"], keepdims=0)],
-                   [_vi("steps", I64, []), _vi("x", F, [1, 4])], [_vi("y", F, [])],
-                   [numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = check_coverage(model, ["W"])
-    assert any("the_loop" in str(w.message) and "trip count" in str(w.message) for w in caught)
-    assert [nodes for (_, op, _), nodes in report["missing"].items() if op == "Loop"] == [["the_loop"]]
-    # the weight the body reads now enters as a loop-carried input; the results are the same (onnxruntime on both)
+    rng = np.random.default_rng(3)
+    return _model([helper.make_node("Loop", ["steps", "", "x"], ["h"], body=body, name="the_loop")],
+                  [_vi("steps", I64, []), _vi("x", F, [1, 4])], [_vi("h", F, [1, 4])],
+                  [numpy_helper.from_array((rng.standard_normal((4, 4)) * 0.7).astype(np.float32), "W")])
+
+
+def test_a_loop_with_a_run_time_trip_count_passes_the_preflight_check(tmp_path, capsys):
+    """The trip count is an input: the Loop stays a node, the weight its body reads enters as a
+    loop-carried input (onnxruntime computes the same on both), and it has a gradient rule."""
     import onnxruntime as ort
 
+    from odt_ops.__main__ import main
+    from odt_ops.artifacts import check_coverage
     from odt_ops.ir.load import load_model
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        normalized = load_model(model).proto
+    model = _hand_written_loop()
+    assert not check_coverage(model, ["W"])["missing"]
+    normalized = load_model(model).proto
     assert "W" in next(n for n in normalized.graph.node if n.op_type == "Loop").input
     feeds = {"steps": np.array(3, np.int64), "x": np.linspace(-1, 1, 4, dtype=np.float32).reshape(1, 4)}
     run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0] for m in (model, normalized)]
     np.testing.assert_allclose(run[0], run[1], rtol=1e-6)
     path = tmp_path / "loop.onnx"
     onnx.save(model, path)
-    assert main(["check", str(path)]) == 1
-    out = capsys.readouterr().out
-    assert "Loop" in out and "the_loop" in out
+    assert main(["check", str(path), "--requires-grad", "W"]) == 0, capsys.readouterr().out
+
+
+def test_a_loop_with_a_run_time_trip_count_trains_like_torch(tmp_path):
+    """The hand-written loop, differentiated as a node (its body's gradient run backwards over the
+    saved iterations), for trip counts 0, 1 and 4 fed at run time, against torch autograd of the
+    same Python loop; the loss is MSE to a target."""
+    import torch
+
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    model = _hand_written_loop()
+    weight = numpy_helper.to_array(model.graph.initializer[0])
+    artifacts.generate_artifacts(model, requires_grad=["W"], loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    training = onnx.load(tmp_path / "training_model.onnx")
+    assert sum(n.op_type == "Loop" for n in training.graph.node) == 2  # forward, and the backward pass
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    x = np.linspace(-1, 1, 4, dtype=np.float32).reshape(1, 4)
+    target = np.array([[0.3, -0.2, 0.1, 0.5]], np.float32)
+    for steps in (0, 1, 4):
+        module.lazy_reset_grad()
+        loss = module(np.array(steps, np.int64), x, target)
+        W = torch.tensor(weight, requires_grad=True)
+        h = torch.from_numpy(x)
+        for _ in range(steps):
+            h = torch.tanh(h @ W)
+        want = torch.nn.functional.mse_loss(h, torch.from_numpy(target))
+        if steps:
+            want.backward()
+        expected = W.grad.numpy() if W.grad is not None else np.zeros_like(weight)
+        np.testing.assert_allclose(float(loss), want.item(), rtol=1e-5, err_msg=f"{steps} steps")
+        np.testing.assert_allclose(state.parameters["W"].grad, expected, rtol=1e-4, atol=1e-7, err_msg=f"{steps} steps")
+
+
+def test_a_scan_over_a_run_time_length_trains_like_torch(tmp_path):
+    """s = s0; for x in xs (its length known at run time only): s = tanh(s @ W + x), y += s. The
+    Scan becomes the Loop it means and trains through the Loop's gradient, for 0, 2 and 5 steps,
+    against torch autograd of the same Python loop."""
+    import torch
+
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["s", "W"], ["sw"]), helper.make_node("Add", ["sw", "x"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["s_out"]), helper.make_node("Identity", ["s_out"], ["y"])],
+        "body", [_vi("s", F, [1, 4]), _vi("x", F, [1, 4])], [_vi("s_out", F, [1, 4]), _vi("y", F, [1, 4])])
+    rng = np.random.default_rng(5)
+    W0, s0 = (rng.standard_normal((4, 4)) * 0.6).astype(np.float32), rng.standard_normal((1, 4)).astype(np.float32)
+    model = _model([helper.make_node("Scan", ["s0", "xs"], ["s_last", "ys"], body=body, num_scan_inputs=1, name="the_scan"),
+                    helper.make_node("ReduceSum", ["ys", "axis0"], ["y_sum"], keepdims=0),
+                    helper.make_node("Add", ["y_sum", "s_last"], ["out"])],
+                   [_vi("xs", F, ["steps", 1, 4])], [_vi("out", F, [1, 4])],
+                   [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(s0, "s0"),
+                    numpy_helper.from_array(np.array([0], np.int64), "axis0")])
+    artifacts.generate_artifacts(model, requires_grad=["W", "s0"], loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    assert not _ops(onnx.load(tmp_path / "training_model.onnx")) & {"Scan"}
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    target = np.array([[0.2, -0.1, 0.4, 0.0]], np.float32)
+    for steps in (0, 2, 5):
+        xs = rng.standard_normal((steps, 1, 4)).astype(np.float32)
+        module.lazy_reset_grad()
+        loss = module(xs, target)
+        W, s = torch.tensor(W0, requires_grad=True), torch.tensor(s0, requires_grad=True)
+        h, total = s, torch.zeros(1, 4)
+        for t in range(steps):
+            h = torch.tanh(h @ W + torch.from_numpy(xs[t]))
+            total = total + h
+        want = torch.nn.functional.mse_loss(total + h, torch.from_numpy(target))
+        want.backward()
+        np.testing.assert_allclose(float(loss), want.item(), rtol=1e-5, err_msg=f"{steps} steps")
+        for name, p in (("W", W), ("s0", s)):
+            expected = p.grad.numpy() if p.grad is not None else np.zeros_like(p.detach().numpy())
+            np.testing.assert_allclose(state.parameters[name].grad, expected, rtol=1e-4, atol=1e-7, err_msg=f"{name}, {steps} steps")
 
 
 # ---- training through lowered control flow, against torch autograd ---------------------------------
@@ -297,6 +368,53 @@ def _check_recommender_trains_like_torch(mode, how, tmp_path):
 @pytest.mark.parametrize("mode", ["mean", "sum"])
 def test_embedding_bag_recommender_trains_like_torch(mode, opset, tmp_path):
     _check_recommender_trains_like_torch(mode, opset, tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["mean", "sum"])
+def test_embedding_bag_with_a_dynamic_bag_count_trains_like_torch(mode, tmp_path):
+    """items and offsets exported with dynamic axes: the Loop over the bags runs as many times as
+    the offsets say, decided at run time (5 bags here, 4 at export), so it stays a Loop and is
+    differentiated as one. Loss and every gradient equal torch autograd's; the training model
+    runs the backward Loop and passes onnx.checker; onnxruntime computes the same loss on it."""
+    import io
+    import warnings
+
+    import onnxruntime as ort
+    import torch
+
+    from odt_ops import artifacts
+    from odt_ops.api import CheckpointState, Module
+
+    module = _recommender(mode)
+    export_args = (torch.tensor([1, 7, 4, 5, 4, 3, 29, 9, 0, 12]), torch.tensor([0, 2, 5, 6]))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, export_args, buffer, dynamo=False, opset_version=17, input_names=["items", "offsets"],
+                          output_names=["y"], dynamic_axes={"items": {0: "n_items"}, "offsets": {0: "bags"}, "y": {0: "bags"}})
+    proto = onnx.load_from_string(buffer.getvalue())
+    items = np.array([3, 7, 4, 5, 4, 3, 29, 9, 0, 12, 8, 8, 1], np.int64)
+    offsets = np.array([0, 2, 5, 6, 11], np.int64)
+    labels = np.array([0, 3, 1, 2, 2], np.int64)
+    want = torch.nn.functional.cross_entropy(module(torch.from_numpy(items), torch.from_numpy(offsets)), torch.from_numpy(labels))
+    want.backward()
+    grads = {_initializer_named_like(proto, p.detach().numpy()): p.grad.numpy() for p in module.parameters()}
+    artifacts.generate_artifacts(proto, requires_grad=sorted(grads), loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    training = onnx.load(tmp_path / "training_model.onnx")
+    assert sum(n.op_type == "Loop" for n in training.graph.node) == 2  # the bags' Loop, and its backward pass
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    model = Module(tmp_path / "training_model.onnx", state)
+    np.testing.assert_allclose(float(model(items, offsets, labels)), want.item(), rtol=1e-5)
+    for name, grad in grads.items():
+        got = state.parameters[name].grad
+        assert np.max(np.abs(got - grad)) <= 1e-5 * np.max(np.abs(grad)), name
+    feeds = {"items": items, "offsets": offsets, training.graph.input[2].name: labels,
+             **{n: state.parameters[n].data for n in grads}}
+    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    np.testing.assert_allclose(outs[training.graph.output[0].name], want.item(), rtol=1e-5)
+    for name, grad in grads.items():
+        assert np.max(np.abs(outs[f"{name}_grad"] - grad)) <= 1e-5 * np.max(np.abs(grad)), f"onnxruntime: {name}"
 
 
 @pytest.mark.slow

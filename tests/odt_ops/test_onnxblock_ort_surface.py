@@ -291,3 +291,66 @@ def test_the_onnx_runtime_1_14_names_of_the_android_example_flow(tmp_path):
     want.backward()
     np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
     np.testing.assert_allclose(state.parameters["conv.weight"].grad, net.conv.weight.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_training_block_returning_loss_and_output_as_ort_desktop_mnist_does(tmp_path, net_and_data):
+    """ORT's desktop MNIST example: ``build`` returns ``(self.loss(output_name), output_name)``; the
+    training and eval models put the output out after the loss (onnxruntime runs both) and
+    Module returns [loss, output]: PyTorch's loss, logits and gradients."""
+    net, x, y, want_loss = net_and_data
+
+    class MNISTTrainingBlock(onnxblock.TrainingBlock):
+        def __init__(self):
+            super().__init__()
+            self.loss = onnxblock.loss.CrossEntropyLoss()
+
+        def build(self, output_name):
+            return self.loss(output_name), output_name
+
+    block = MNISTTrainingBlock()
+    for name, _ in net.named_parameters():
+        block.requires_grad(name)
+    base = _export(net, x)
+    with onnxblock.base(base) as accessor:
+        loss_name, output_name = block("logits")
+        eval_model = accessor.eval_model
+    training, evaluation = block.to_model_proto()
+    assert output_name == "logits" and [o.name for o in training.graph.output][:2] == [loss_name, "logits"]
+    assert [o.name for o in evaluation.graph.output] == [loss_name, "logits"] and eval_model is evaluation
+    logits = net(x).detach().numpy()
+    params = {n: p.detach().numpy() for n, p in net.named_parameters()}
+    y_name = evaluation.graph.input[1].name
+    got_loss, got_logits = _ort(evaluation).run([loss_name, "logits"], {"x": x.numpy(), y_name: y.numpy(), **params})
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(got_logits, logits, rtol=1e-5, atol=1e-6)
+
+    onnx.save(training, tmp_path / "training_model.onnx")
+    onnx.save(evaluation, tmp_path / "eval_model.onnx")
+    onnxblock.save_checkpoint(block.parameters(), tmp_path / "checkpoint")
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    assert module.output_names() == [loss_name, "logits"]
+    train_loss, train_logits = module(x.numpy(), y.numpy())
+    np.testing.assert_allclose(train_loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(train_logits, logits, rtol=1e-5, atol=1e-6)
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(state.parameters[name].grad, p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    module.eval()
+    eval_loss, eval_logits = module(x.numpy(), y.numpy())
+    np.testing.assert_allclose(eval_logits, logits, rtol=1e-5, atol=1e-6)
+    module.export_model_for_inferencing(tmp_path / "inference.onnx", ["logits"])
+    (exported,) = _ort(onnx.load(tmp_path / "inference.onnx")).run(None, {"x": x.numpy()})
+    np.testing.assert_allclose(exported, logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_training_block_returning_no_name_says_what_it_takes(net_and_data):
+    net, x, _, _ = net_and_data
+
+    class Nothing(onnxblock.TrainingBlock):
+        def build(self, output_name):
+            return ()
+
+    base = _export(net, x)
+    with pytest.raises(ArtifactError, match=r"must return the loss's name, or \(loss, \*extra outputs\)"):
+        with onnxblock.base(base):
+            Nothing()("logits")

@@ -1,2 +1,2 @@
 """Gradient rules, one module per op family (mirroring odt_ops.kernels); importing registers them."""
-from odt_ops.grad.rules import cast, conv, elementwise, erf, linalg, loss, nn, pool, quantize, reduce, shape  # noqa: F401
+from odt_ops.grad.rules import cast, control_flow, conv, elementwise, erf, linalg, loss, nn, pool, quantize, reduce, shape  # noqa: F401

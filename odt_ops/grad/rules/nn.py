@@ -270,6 +270,9 @@ def _interpolation_matrices(ctx) -> list[tuple[int, np.ndarray]]:
     mode = a["coordinate_transformation_mode"]
     given = {"scales": scales, "sizes": sizes, **({"roi": roi} if mode == "tf_crop_and_resize" else {})}
     values = {name: ctx.value(v) if v else None for name, v in given.items()}
+    same_symbolic = set()  # axes whose computed size is the input's own symbolic dim (the batch)
+    if sizes and values["sizes"] is None and not (scales and values["scales"] is None):
+        values["sizes"], same_symbolic = _sizes_from_output(ctx, shape)
     if any(v and values[name] is None for name, v in given.items()):
         raise ctx.fail(f"{' and '.join(given)} must be constants to differentiate Resize")
     by_sizes = values["sizes"] is not None and values["sizes"].size > 0
@@ -291,7 +294,7 @@ def _interpolation_matrices(ctx) -> list[tuple[int, np.ndarray]]:
     matrices = []
     for (axis, out_len, scale), roi_ in zip(plan, rois):
         if axis not in static:
-            if scale != 1.0 or (roi_ is not None and tuple(roi_) != (0.0, 1.0)) or by_sizes:
+            if scale != 1.0 or (roi_ is not None and tuple(roi_) != (0.0, 1.0)) or (by_sizes and axis not in same_symbolic):
                 raise ctx.fail(f"Resize along the symbolic axis {axis} is not differentiated")
             continue  # an unscaled axis is sampled exactly
         n = static[axis]
@@ -299,6 +302,19 @@ def _interpolation_matrices(ctx) -> list[tuple[int, np.ndarray]]:
         if not (A.shape == (n, n) and np.array_equal(A, np.eye(n))):
             matrices.append((axis, A))
     return matrices
+
+
+def _sizes_from_output(ctx, shape: tuple) -> tuple[np.ndarray | None, set[int]]:
+    """Sizes computed at run time (``Concat(Shape(x)[:2], H, W)``, as the TorchScript exporter writes
+    ``interpolate(x, size=...)``) read from the inferred output shape: every output dim a number,
+    or the same symbol as the input's (the batch, which Resize then leaves alone); else (None, {})."""
+    out = ctx.shape(ctx.outputs[0])
+    if out is None or len(out) != len(shape):
+        return None, set()
+    same = {ax for ax, (o, i) in enumerate(zip(out, shape)) if not isinstance(o, int) and o is not None and o == i}
+    if any(not isinstance(o, int) and ax not in same for ax, o in enumerate(out)):
+        return None, set()
+    return np.array([o if isinstance(o, int) else 1 for o in out], np.int64), same
 
 
 def _repeat_factor(A: np.ndarray) -> int | None:
