@@ -20,6 +20,7 @@ import onnx
 from odt_ops import meta
 from odt_ops.api.checkpoint_state import CheckpointState
 from odt_ops.api.training_state import CompiledStep, FlatBuffers, TrainingState
+from odt_ops.domain import is_default, opset_versions
 from odt_ops.errors import ArtifactError, EmptyBatchError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
 from odt_ops.ir.load import check_artifact, read_model
 from odt_ops.ir.model import Model, tensor_to_array
@@ -47,7 +48,7 @@ def _transposed_weights(graph: onnx.GraphProto, names: Sequence[str]) -> frozens
 
     def transposed_b(node: onnx.NodeProto, i: int) -> bool:
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
-        return node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and i == 1 and trans_b == 1
+        return node.op_type == "Gemm" and is_default(node.domain) and i == 1 and trans_b == 1
 
     return frozenset(n for n in names if readers.get(n) and all(transposed_b(node, i) for node, i in readers[n]))
 
@@ -158,7 +159,7 @@ class Module:
             destinations, checks = grads, {info.loss: _check_loss}
         if info.unfed_inputs:
             graph = _without_readers_of(graph, set(info.unfed_inputs))
-        opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
+        opsets = opset_versions(proto.opset_import)
         # ours, not onnx's to_array: it reads external data relative to the working directory
         constants = {t.name: tensor_to_array(t, base_dir, source) for t in graph.initializer}
         try:

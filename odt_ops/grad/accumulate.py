@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import onnx
 
+from odt_ops.domain import is_default
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.builder import GraphBuilder
-
-_STANDARD = ("", "ai.onnx")
 
 
 def total(b: GraphBuilder, contributions: list[str] | None, value: str) -> str | None:
@@ -64,7 +63,7 @@ def _stacked_product(b: GraphBuilder, producers: list[onnx.NodeProto], value: st
     left, right = [], []
     for node in producers:
         attrs = node_attributes(node)
-        if (node.op_type != "Gemm" or node.domain not in _STANDARD or len(node.input) != 2
+        if (node.op_type != "Gemm" or not is_default(node.domain) or len(node.input) != 2
                 or attrs.get("transA", 0) != 1 or attrs.get("transB", 0) != 0 or attrs.get("alpha", 1.0) != 1.0):
             return None
         left.append(node.input[0])
@@ -111,7 +110,7 @@ def _tiled_concat(b: GraphBuilder, producers: list[onnx.NodeProto], value: str) 
 def _zero_pad_on_one_axis(b: GraphBuilder, node: onnx.NodeProto, rank: int) -> tuple[int, int, int] | None:
     """(axis, begin, end) of a constant-mode Pad with zero fill and non-negative constant pads
     on exactly one axis; else None."""
-    if node.op_type != "Pad" or node.domain not in _STANDARD or node_attributes(node).get("mode", "constant") != "constant":
+    if node.op_type != "Pad" or not is_default(node.domain) or node_attributes(node).get("mode", "constant") != "constant":
         return None
     inputs = list(node.input) + [""] * (4 - len(node.input))
     pads = b.value(inputs[1]) if inputs[1] else None

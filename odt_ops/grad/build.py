@@ -18,12 +18,13 @@ import onnx
 from onnx import helper
 
 from odt_ops.coverage import NOT_DIFFERENTIABLE
+from odt_ops.domain import canonical, default_opset, opset_versions
 from odt_ops.errors import GradientError, UnsupportedOpError
 from odt_ops.grad.accumulate import total
 from odt_ops.grad.registry import GradContext, lookup_gradient
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.graph import node_reads, topological_order
-from odt_ops.ir.model import Model, default_opset
+from odt_ops.ir.model import Model
 from odt_ops.ir.passes import SAME_TYPE_AS_INPUT
 from odt_ops.kernels import lookup
 
@@ -79,7 +80,7 @@ def missing_gradients(
     walk = _Walk(proto, loss_name, wrt)
     missing = walk.missing_rules()
     for node in walk.path:
-        domain = "" if node.domain == "ai.onnx" else node.domain
+        domain = canonical(node.domain)
         opset = walk.opsets.get(domain, 0)
         if lookup(domain, node.op_type, opset) is None:
             names = missing.setdefault((domain, node.op_type, opset), [])
@@ -92,8 +93,8 @@ class _Walk:
     def __init__(self, proto: onnx.ModelProto, loss_name: str | None, wrt: Sequence[str]):
         self.proto = proto
         self.graph = proto.graph
-        self.opset = default_opset(proto)
-        self.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
+        self.opset = default_opset(proto.opset_import, 1)
+        self.opsets = opset_versions(proto.opset_import)
         if self.opset < MIN_OPSET:
             raise GradientError(
                 f"gradients need opset >= {MIN_OPSET}, the model has {self.opset}; load it with odt_ops.load_model to convert it"
@@ -148,7 +149,7 @@ class _Walk:
         missing: dict[tuple[str, str, int], list[str]] = {}
         for node in self.path:
             if lookup_gradient(node.domain, node.op_type) is None:
-                domain = "" if node.domain == "ai.onnx" else node.domain
+                domain = canonical(node.domain)
                 missing.setdefault((domain, node.op_type, self.opsets.get(domain, 0)), []).append(_label(node))
         return missing
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from odt_ops.domain import canonical
 from odt_ops.errors import GradientError
 from odt_ops.ir.attributes import attribute_value, node_attributes
 from odt_ops.ir.builder import Dim, GraphBuilder
@@ -63,7 +64,7 @@ def gradient(op_type: str, *, domain: str = "", broadcasting: bool = False) -> C
 
 
 def lookup_gradient(domain: str, op_type: str) -> GradientRule | None:
-    return _GRADIENTS.get(("" if domain == "ai.onnx" else domain, op_type))
+    return _GRADIENTS.get((canonical(domain), op_type))
 
 
 def registered_gradients() -> list[str]:

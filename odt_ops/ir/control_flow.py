@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from odt_ops.domain import is_default
 from odt_ops.ir import passes
 from odt_ops.ir.binding import bind_kernel
 from odt_ops.ir.builder import unique_name
@@ -79,7 +80,7 @@ def _scans_as_loops(model: Model) -> bool:
     for node in graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.type != AT.GRAPH}
         m = attrs.get("num_scan_inputs", 0)
-        if node.op_type != "Scan" or node.domain not in ("", "ai.onnx") or any(
+        if node.op_type != "Scan" or not is_default(node.domain) or any(
                 any(attrs.get(k) or []) for k in ("scan_input_axes", "scan_input_directions", "scan_output_axes",
                                                    "scan_output_directions")):
             nodes.append(node)
@@ -119,7 +120,7 @@ def _concat_built_sequences(model: Model) -> bool:
     producer = producers(graph.node)
     changed = False
     for node in graph.node:
-        if node.op_type != "ConcatFromSequence" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "ConcatFromSequence" or not is_default(node.domain):
             continue
         parts, seq = [], node.input[0]
         while True:
@@ -167,7 +168,7 @@ def _concat_built_sequences(model: Model) -> bool:
 
 
 def _is_control_flow(node: onnx.NodeProto) -> bool:
-    return node.op_type in CONTROL_FLOW and node.domain in ("", "ai.onnx")
+    return node.op_type in CONTROL_FLOW and is_default(node.domain)
 
 
 @contextlib.contextmanager
@@ -531,7 +532,7 @@ class _Rewriter:
         values = dict(known)
         values.update({t.name: numpy_helper.to_array(t) for t in graph.initializer if int(np.prod(t.dims, dtype=np.int64)) <= _SMALL})
         for node in graph.node:
-            if node.op_type in passes.NOT_FOLDABLE or node.domain not in ("", "ai.onnx"):
+            if node.op_type in passes.NOT_FOLDABLE or not is_default(node.domain):
                 continue
             args = []
             for name in node_reads(node):

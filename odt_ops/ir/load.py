@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from odt_ops.errors import ModelCheckError, ModelFileNotFoundError, ModelLoadError, UnsupportedOpError
 from odt_ops.ir import control_flow, external, functions, passes, recurrent
-from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model, default_opset
+from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model
 
 ModelSource = onnx.ModelProto | str | os.PathLike | bytes | Model
 
@@ -217,4 +217,4 @@ def save_model(model: Model | onnx.ModelProto, path: str | os.PathLike) -> None:
     atomic_write_bytes(path, proto.SerializeToString())
 
 
-__all__ = ["ModelSource", "UnsupportedOpError", "default_opset", "load_model", "read_model", "save_model"]
+__all__ = ["ModelSource", "UnsupportedOpError", "load_model", "read_model", "save_model"]

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from odt_ops.domain import is_default
+from odt_ops.domain import default_opset
 from odt_ops.errors import ModelLoadError
 
 # opset 21 is the newest every maintained runtime executes (onnxruntime >= 1.18, its
@@ -32,7 +32,7 @@ class Model:
 
     @property
     def opset(self) -> int:
-        return default_opset(self.proto)
+        return default_opset(self.proto.opset_import, 1)
 
     def initializer_arrays(self) -> dict[str, np.ndarray]:
         """Name -> array of every initializer; external data is memory-mapped, not copied."""
@@ -43,13 +43,6 @@ class Model:
     def forget_arrays(self) -> None:
         """Drop the cached arrays after the proto's initializers changed."""
         self._arrays = None
-
-
-def default_opset(proto: onnx.ModelProto) -> int:
-    for imp in proto.opset_import:
-        if is_default(imp.domain):
-            return imp.version
-    return 1
 
 
 def tensor_to_array(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> np.ndarray:

@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from odt_ops.domain import is_default
 from odt_ops.errors import ModelCheckError
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.builder import GraphBuilder
@@ -131,7 +132,7 @@ def _time_major_inputs(graph: onnx.GraphProto) -> set[str]:
 
 
 def _is_recurrent(node: onnx.NodeProto) -> bool:
-    return node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx")
+    return node.op_type in RECURRENT_OPS and is_default(node.domain)
 
 
 def _value_types(model: Model) -> dict[str, onnx.TypeProto]:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 import onnx
 from onnx import numpy_helper
 
+from odt_ops.domain import is_default
+
 Dim = int | str | None
 # a dim as coefficient * product of symbols (sorted, with repeats); None: unknown
 Monomial = tuple[int, tuple[str, ...]]
@@ -124,7 +126,7 @@ def _learn(graph: onnx.GraphProto) -> dict[str, list[Dim]]:
             values[t.name] = _Value([(int(v), ()) for v in array.reshape(-1)], scalar=array.ndim == 0)
     learned: dict[str, list[Dim]] = {}
     for node in graph.node:
-        if node.domain not in ("", "ai.onnx"):
+        if not is_default(node.domain):
             continue
         value = _propagate(node, values, shapes)
         if value is not None and node.output:

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from odt_ops.domain import is_default
 from odt_ops.errors import LoraError
 from odt_ops.lora.config import ADAPTABLE_OPS, LoraConfig
 
@@ -70,7 +71,7 @@ def find_candidates(graph: onnx.GraphProto) -> dict[str, Target]:
             readers.setdefault(i, []).append(n)
     found: dict[str, Target] = {}
     for node in graph.node:
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ADAPTABLE_OPS or len(node.input) < 2:
+        if not is_default(node.domain) or node.op_type not in ADAPTABLE_OPS or len(node.input) < 2:
             continue
         traced = _trace(node.input[_WEIGHT_INPUT[node.op_type]], inits, producer)
         if traced is None:
@@ -108,7 +109,7 @@ def _trace(value: str, inits, producer) -> tuple[str, bool, str | None, list[str
         if value in inits:
             return value, transposed, dequantize, chain
         node = producer.get(value)
-        if node is None or node.domain not in ("", "ai.onnx"):
+        if node is None or not is_default(node.domain):
             return None
         chain.append(value)
         if node.op_type == "Transpose" and _attr(node, "perm", [1, 0]) in ([1, 0], (1, 0)):

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import onnx
 
+from odt_ops.domain import default_opset
 from odt_ops.errors import ArtifactError
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET
@@ -57,7 +58,7 @@ def builder_for(model: onnx.ModelProto, prefix: str = "") -> GraphBuilder:
     graph = model.graph
     types = {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output) if v.type.HasField("tensor_type")}
     taken = {n for node in graph.node for n in (*node.input, *node.output)} | {node.name for node in graph.node}
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), TARGET_OPSET)
+    opset = default_opset(model.opset_import, TARGET_OPSET)
     return GraphBuilder(taken=taken, opset=opset, types=types, constants={t.name: t for t in graph.initializer}, prefix=prefix)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from odt_ops.domain import is_default
 from odt_ops.errors import QuantizationError
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.builder import unique_name
@@ -70,7 +71,7 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True, lea
         return name
 
     for node in list(graph.node):
-        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "DequantizeLinear" or not is_default(node.domain):
             continue
         x = node.input[0]
         attrs = node_attributes(node)

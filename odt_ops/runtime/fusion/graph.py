@@ -13,7 +13,7 @@ from odt_ops.ir.graph import consumers, producers
 from odt_ops.kernels import lookup
 
 DOMAIN = "odt_ops.fused"
-STANDARD = ("", "ai.onnx")
+STANDARD = ("", "ai.onnx")  # the default domain's two spellings (odt_ops/domain.py), as the matchers' domains tuple
 
 Pass = Callable[["Graph"], bool]
 Factory = Callable[[dict, int], Callable[..., tuple]]  # (fused node attributes, ai.onnx opset) -> kernel
