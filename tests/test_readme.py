@@ -18,7 +18,8 @@ def test_ci_runs_the_readme_test_command():
     """Setup commands (installing Chromium and web/'s npm packages) may come first; the README's
     test command is CI's last command, verbatim."""
     ci_lines = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l and not l.startswith(("#", "set ", "cd "))]
-    assert ci_lines and ci_lines[-1] == quickstart()[1]
+    assert ci_lines
+    assert ci_lines[-1] == quickstart()[1]
     assert quickstart()[1] not in ci_lines[:-1]
 
 
@@ -29,7 +30,8 @@ def test_readme_training_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(example, "README example", "exec"), {})
     out = capsys.readouterr().out
     losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("epoch")]
-    assert len(losses) == 5 and losses[-1] < losses[0] * 0.7
+    assert len(losses) == 5
+    assert losses[-1] < losses[0] * 0.7
     accuracy = float(out.split("accuracy:")[1].split()[0])
     assert accuracy > 0.8
     assert (tmp_path / "artifacts" / "update.odtdiff").is_file()

@@ -78,7 +78,8 @@ def test_first_forward_equals_the_base_and_the_difference_carries_adapters_only(
     reference = ort.InferenceSession(base.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(_session(tmp_path / "adapted.onnx").run(None, {"x": x})[0], reference, rtol=1e-5, atol=1e-6)
     diff = model_diff(paths["checkpoint"], state)
-    assert all(".lora_" in n for n in diff.deltas) and len(diff.deltas) == 16
+    assert all(".lora_" in n for n in diff.deltas)
+    assert len(diff.deltas) == 16
     save_diff(diff, tmp_path / "lora.odtdiff")
     n_adapter = sum(d.size for d in diff.deltas.values())
     n_model = sum(int(np.prod(t.dims)) for t in base.graph.initializer)

@@ -65,7 +65,8 @@ def _as_ours(tensor, transpose: bool) -> np.ndarray:
 def test_lora_matches_peft_losses_gradients_and_adamw_steps(kind, tmp_path):
     module_t, module, opt, state, x, y, paths = _ours(kind, tmp_path)
     info, adapters = read_adapters(__import__("onnx").load(str(paths["eval_model"])))
-    assert len(adapters) == len(CASES[kind][1]) and info["rank"] == RANK
+    assert len(adapters) == len(CASES[kind][1])
+    assert info["rank"] == RANK
     assert sorted(state.checkpoint.trainable_names()) == sorted(n for a in adapters for n in (a.A, a.B))
     twin, pairs = _peft_twin(module_t, kind, adapters, state)
     torch_opt = torch.optim.AdamW([p for p, _ in pairs.values()], lr=LR, eps=1e-8, weight_decay=0.01)

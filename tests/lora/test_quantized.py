@@ -71,7 +71,8 @@ def test_qat_forward_and_straight_through_gradients_equal_torch_fake_quant(dtype
                                          optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path, qat=True)
     state = CheckpointState.load_checkpoint(paths["checkpoint"])
     w2, w1 = state.checkpoint.trainable_names()  # the masters first, then requires_grad
-    assert w1 == "w1" and w2.startswith("w2"), "the float master copy of w2_quantized trains beside w1"
+    assert w1 == "w1", "the float master copy of w2_quantized trains beside w1"
+    assert w2.startswith("w2"), "the float master copy of w2_quantized trains beside w1"
     module = Module(paths["training_model"], state, paths["eval_model"])
     x, y = rng.standard_normal((16, 6)).astype(np.float32), rng.integers(0, 4, 16)
     np.testing.assert_array_equal(state.parameters[w2].data, (p["q_w"].astype(np.float32) - p["zp_w"].astype(np.float32)) * p["s_w"])
@@ -86,7 +87,8 @@ def test_qat_forward_and_straight_through_gradients_equal_torch_fake_quant(dtype
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(state.parameters[w2].grad, g2, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(state.parameters["w1"].grad, g1, rtol=1e-4, atol=1e-6)
-    assert (g2[0] == 0).all() and (state.parameters[w2].grad[0] == 0).all(), "clipped weights get no gradient"
+    assert (g2[0] == 0).all(), "clipped weights get no gradient"
+    assert (state.parameters[w2].grad[0] == 0).all(), "clipped weights get no gradient"
     clipped = (np.rint(h / p["s_a"]) + float(p["zp_a"]) > p["qmax"]) | (np.rint(h / p["s_a"]) + float(p["zp_a"]) < p["qmin"])
     assert 0 < clipped.mean() < 1, "some activations fall outside the clip range, so the STE's zero region is exercised"
 
@@ -151,7 +153,8 @@ def test_onnxruntime_qdq_model_fine_tunes_with_qat_and_exports_the_same_qdq_layo
     state, module, losses = _train(paths, x, y, steps=12)
     assert losses[-1] < losses[0]
     masters = state.checkpoint.trainable_names()
-    assert len(masters) == 3 and all(state.parameters[n].data.dtype == np.float32 for n in masters)
+    assert len(masters) == 3
+    assert all(state.parameters[n].data.dtype == np.float32 for n in masters)
     module.export_model_for_inferencing(tmp_path / "engine.onnx")
     engine = InferenceSession(str(tmp_path / "engine.onnx")).run(None, {"x": x})[0]
     out = export_quantized(paths["eval_model"], state.checkpoint, tmp_path / "qat.onnx")
@@ -167,7 +170,8 @@ def test_onnxruntime_qdq_model_fine_tunes_with_qat_and_exports_the_same_qdq_layo
                                            torch.qint8 if dtype == "int8" else torch.quint8) if s.ndim
                 else torch.quantize_per_tensor(t, float(s), int(zp), torch.qint8 if dtype == "int8" else torch.quint8)).int_repr().numpy()
         np.testing.assert_array_equal(q, want, f"{node.input[0]} re-quantized as torch quantizes")
-        assert q.dtype == original[node.input[0]].dtype and not np.array_equal(q, original[node.input[0]])
+        assert q.dtype == original[node.input[0]].dtype
+        assert not np.array_equal(q, original[node.input[0]])
     theirs = _ort(tmp_path / "qat.onnx", x)
     np.testing.assert_allclose(theirs, engine, atol=2 * float(np.abs(engine).max()) * 1e-2)
     assert (theirs.argmax(1) == engine.argmax(1)).mean() >= 0.95
@@ -183,7 +187,8 @@ def test_frozen_quantized_base_with_lora_adapters(tmp_path):
     int8 = [t.name for t in training.graph.initializer if t.data_type == TensorProto.INT8 and len(t.dims) == 2]
     assert len(int8) == 8, "every projection's weight stays int8 in the training model"
     state, module, losses = _train(paths, x, y, steps=12, lr=0.05)
-    assert all(".lora_" in n for n in state.checkpoint.trainable_names()) and losses[-1] < losses[0]
+    assert all(".lora_" in n for n in state.checkpoint.trainable_names())
+    assert losses[-1] < losses[0]
     module.export_model_for_inferencing(tmp_path / "engine.onnx")
     engine = InferenceSession(str(tmp_path / "engine.onnx")).run(None, {"x": x})[0]
     export_adapter_base(paths["eval_model"], state.checkpoint, tmp_path / "base.onnx")
@@ -223,7 +228,9 @@ def test_quantize_dynamic_integer_ops_are_a_typed_error_naming_the_nodes(tmp_pat
         artifacts.generate_artifacts(str(dst), loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path / "art")
     message = str(info.value)
     integer_ops = sorted({n.op_type for n in onnx.load(str(dst)).graph.node if n.op_type.endswith("Integer")})
-    assert integer_ops and all(op in message for op in integer_ops) and "QuantFormat.QDQ" in message, message
+    assert integer_ops, message
+    assert all(op in message for op in integer_ops), message
+    assert "QuantFormat.QDQ" in message, message
 
 
 @pytest.mark.parametrize("dtype,per_channel", [("int8", True), ("uint8", False)])
@@ -236,7 +243,8 @@ def test_learned_scales_get_lsq_gradients_as_torch_learnable_fake_quant(dtype, p
                                          artifact_directory=tmp_path, qat="lsq")
     state = CheckpointState.load_checkpoint(paths["checkpoint"])
     names = state.checkpoint.trainable_names()
-    assert {"s_a", "s_w", "w1"} <= set(names) and len(names) == 4
+    assert {"s_a", "s_w", "w1"} <= set(names)
+    assert len(names) == 4
     (w2,) = [n for n in names if n.startswith("w2")]
     # off the grid (on it, round(x/s) - x/s is 0 and both sides compare rounding noise), some past the clip range
     master = state.parameters[w2].data + rng.uniform(-0.5, 0.5, (8, 4)).astype(np.float32) * np.asarray(p["s_w"])
@@ -261,7 +269,8 @@ def test_learned_scales_get_lsq_gradients_as_torch_learnable_fake_quant(dtype, p
         got, want_grad = np.asarray(state.parameters[name].grad).reshape(t.grad.shape), t.grad.numpy()
         # a scale's gradient sums (q - zp) and -x/s terms separately: float32 rounding relative to their size
         np.testing.assert_allclose(got, want_grad, rtol=1e-3, atol=1e-4 * float(np.abs(want_grad).max()) + 1e-7, err_msg=name)
-    assert abs(float(s_a.grad)) > 0 and np.abs(s_w.grad.numpy()).min() > 0
+    assert abs(float(s_a.grad)) > 0
+    assert np.abs(s_w.grad.numpy()).min() > 0
 
 
 def test_learned_scales_are_what_the_requantized_export_uses(tmp_path):

@@ -198,7 +198,8 @@ def check_gradients(
     errors = {}
     for p, got in zip(wrt, analytic[1:]):
         want = numeric[p]
-        assert got.shape == want.shape and got.dtype == want.dtype, f"{p}: gradient {got.dtype}{got.shape} for a {want.dtype}{want.shape} parameter"
+        assert got.shape == want.shape, f"{p}: gradient {got.dtype}{got.shape} for a {want.dtype}{want.shape} parameter"
+        assert got.dtype == want.dtype, f"{p}: gradient {got.dtype}{got.shape} for a {want.dtype}{want.shape} parameter"
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"gradient of {p}")
         errors[p] = float(np.max(np.abs(got - want))) if got.size else 0.0
     return errors

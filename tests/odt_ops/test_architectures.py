@@ -168,7 +168,8 @@ def test_trains_like_torch(arch: Architecture, how: str, exported, tmp_path):
         assert arch.ops <= ops, f"the export lacks {sorted(arch.ops - ops)}"
     if arch.sequence_lens and not how.startswith("dynamo"):
         recurrent = [n for n in proto.graph.node if n.op_type in ("LSTM", "GRU", "RNN")]
-        assert recurrent and all(len(n.input) > 4 and n.input[4] for n in recurrent), "no sequence_lens"
+        assert recurrent, "no sequence_lens"
+        assert all(len(n.input) > 4 and n.input[4] for n in recurrent), "no sequence_lens"
     reference = arch.build()
     matched = match_parameters(proto, reference)
     forms = layouts(reference)

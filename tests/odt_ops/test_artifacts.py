@@ -109,7 +109,8 @@ def _no_dropout(proto: onnx.ModelProto) -> onnx.ModelProto:
 def _assert_close(got: np.ndarray, want: np.ndarray, what: str, tol: float = 1e-5) -> None:
     """Max abs error within ``tol`` times the largest magnitude of ``want``."""
     got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    assert got.shape == want.shape, (what, got.shape, want.shape, got.dtype, want.dtype)
+    assert got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
     scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-6)
     err = float(np.max(np.abs(got.astype(np.float64) - want), initial=0.0))
     assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol} * {scale:.3g}"
@@ -239,14 +240,17 @@ def test_training_model_outputs_loss_extras_gradients_then_buffers(art):
     assert list(info.gradients) == info.trainable  # one per trainable parameter, none for frozen ones
     assert list(info.buffer_updates) == info.buffers
     types = {o.name: o.type.tensor_type for o in graph.output}
-    assert types[info.loss].elem_type == TensorProto.FLOAT and len(types[info.loss].shape.dim) == 0
+    assert types[info.loss].elem_type == TensorProto.FLOAT
+    assert len(types[info.loss].shape.dim) == 0
     weights = art.weights()
     for name, out in [*info.gradients.items(), *info.buffer_updates.items()]:
         assert [d.dim_value for d in types[out].shape.dim] == list(weights[name].shape)
     values = dict(zip(outputs, run_odt(_no_dropout(art.protos["training_model"]), art.feeds())))
     for param in info.trainable:
         g = values[info.gradients[param]]
-        assert g.shape == weights[param].shape and g.dtype == np.float32 and np.any(g != 0), param
+        assert g.shape == weights[param].shape, param
+        assert g.dtype == np.float32, param
+        assert np.any(g != 0), param
 
 
 def test_eval_model_outputs_loss_and_extras_only(art):
@@ -257,19 +261,25 @@ def test_eval_model_outputs_loss_and_extras_only(art):
 
 def test_metadata_records_roles(cnn_art, mlp_art):
     info = cnn_art.info
-    assert info.user_inputs == ["input"] and info.labels == ["labels"] and info.inference_outputs == ["output"]
+    assert info.user_inputs == ["input"]
+    assert info.labels == ["labels"]
+    assert info.inference_outputs == ["output"]
     assert info.trainable == ["conv1.weight", "conv2.weight", "conv2.bias", "bn1.weight", "bn1.bias", "fc.weight", "fc.bias"]
     assert info.frozen == ["conv1.bias"]
     assert info.buffers == ["bn1.running_mean", "bn1.running_var"]
     assert info.extra_outputs == ["output", "c1"]
     assert info.loss == cnn_art.protos["training_model"].graph.output[0].name
-    assert mlp_art.info.buffers == [] and mlp_art.info.frozen == [] and mlp_art.info.buffer_updates == {}
+    assert mlp_art.info.buffers == []
+    assert mlp_art.info.frozen == []
+    assert mlp_art.info.buffer_updates == {}
     ckpt = load_checkpoint(cnn_art.paths["checkpoint"])
     assert ckpt.requires_grad == {**dict.fromkeys(info.trainable, True), "conv1.bias": False}
     assert sorted(ckpt.buffers) == info.buffers
     data = meta.read_optimizer(cnn_art.protos["optimizer_model"])
     assert [p["name"] for p in data["parameters"]] == info.trainable
-    assert data["kind"] == "AdamW" and data["hyperparameters"]["mode"] == "torch" and data["hyperparameters"]["max_norm"] == 1.0
+    assert data["kind"] == "AdamW"
+    assert data["hyperparameters"]["mode"] == "torch"
+    assert data["hyperparameters"]["max_norm"] == 1.0
 
 
 def test_metadata_is_required_and_versioned():
@@ -325,7 +335,8 @@ def test_eval_model_is_the_forward_model_in_inference_mode_plus_the_loss(cnn_art
     graph = cnn_art.protos["eval_model"].graph
     for node in graph.node:
         if node.op_type == "BatchNormalization":
-            assert all(a.name != "training_mode" or a.i == 0 for a in node.attribute) and len(node.output) == 1
+            assert all(a.name != "training_mode" or a.i == 0 for a in node.attribute)
+            assert len(node.output) == 1
         if node.op_type == "Dropout":
             assert len(node.input) < 3 or node.input[2] == ""
     assert not any(o.name.endswith("_grad") for o in graph.output)
@@ -387,7 +398,8 @@ def test_trainable_frozen_and_constant_initializers(tmp_path):
     info = meta.read(train)
     assert (info.trainable, info.frozen) == (["fc1.weight", "fc1.bias"], ["fc0.weight"])
     inputs = [i.name for i in train.graph.input]
-    assert "fc0.weight" in inputs and "fc0.bias" not in inputs  # frozen: an input; neither: a constant
+    assert "fc0.weight" in inputs
+    assert "fc0.bias" not in inputs  # frozen: an input; neither: a constant
     assert "fc0.bias" in {t.name for t in train.graph.initializer}
     assert list(info.gradients) == ["fc1.weight", "fc1.bias"]
     ckpt = load_checkpoint(paths["checkpoint"])
@@ -397,7 +409,8 @@ def test_trainable_frozen_and_constant_initializers(tmp_path):
     rng = np.random.default_rng(0)
     x, t = rng.standard_normal((3, 6)).astype(np.float32), rng.standard_normal((3, 3)).astype(np.float32)
     module(x, t)
-    assert state.parameters["fc0.weight"].grad is None and not state.parameters["fc0.weight"].requires_grad
+    assert state.parameters["fc0.weight"].grad is None
+    assert not state.parameters["fc0.weight"].requires_grad
     # the frozen parameter is read from the state: changing it changes the loss
     before = float(module(x, t))
     state.parameters["fc0.weight"].data = np.zeros((5, 6), np.float32)
@@ -407,7 +420,9 @@ def test_trainable_frozen_and_constant_initializers(tmp_path):
 def test_no_trainable_parameters_is_an_error_free_eval_setup(tmp_path):
     paths = artifacts.generate_artifacts(**_small(frozen_params=["fc*"]), artifact_directory=tmp_path)
     info = meta.read(onnx.load(paths["training_model"]))
-    assert info.trainable == [] and len(info.frozen) == 4 and info.gradients == {}
+    assert info.trainable == []
+    assert len(info.frozen) == 4
+    assert info.gradients == {}
 
 
 @pytest.mark.parametrize("loss, name, elem, shape", [
@@ -438,7 +453,8 @@ def test_extra_outputs_come_after_the_loss(tmp_path):
         getattr(module, mode)()
         loss, h0, out = module(x, t)
         assert module.output_names()[1:] == ["h0", "output"]
-        assert h0.shape == (3, 5) and np.all(h0 >= 0)
+        assert h0.shape == (3, 5)
+        assert np.all(h0 >= 0)
         np.testing.assert_allclose(loss, np.mean((out - t) ** 2), rtol=1e-6)
 
 
@@ -466,7 +482,8 @@ def test_loss_input_names_choose_the_output_of_a_multi_output_model(tmp_path):
     paths = artifacts.generate_artifacts(_two_heads(), requires_grad=["*.weight"], loss=artifacts.LossType.MSELoss,
                                          loss_input_names=["second"], artifact_directory=tmp_path / "second")
     info = meta.read(onnx.load(paths["training_model"]))
-    assert info.inference_outputs == ["first", "second"] and info.labels == ["target"]
+    assert info.inference_outputs == ["first", "second"]
+    assert info.labels == ["target"]
     np.testing.assert_allclose(_run_module(paths, x, t), np.mean((second - t) ** 2), rtol=1e-6)
     paths = artifacts.generate_artifacts(_two_heads(), requires_grad=["fc.weight"], loss=artifacts.LossType.MSELoss,
                                          artifact_directory=tmp_path / "default")
@@ -500,7 +517,8 @@ def test_a_custom_loss_block_receives_every_output(tmp_path):
 def test_glob_patterns_select_parameters(tmp_path, requires_grad, frozen, trainable, frozen_want):
     paths = artifacts.generate_artifacts(**_small(requires_grad=requires_grad, frozen_params=frozen), artifact_directory=tmp_path)
     info = meta.read(onnx.load(paths["training_model"]))
-    assert info.trainable == trainable and info.frozen == frozen_want
+    assert info.trainable == trainable
+    assert info.frozen == frozen_want
 
 
 def test_prefix_names_every_file(tmp_path):
@@ -519,8 +537,10 @@ def test_nominal_checkpoint_holds_names_shapes_and_dtypes_only(tmp_path):
     paths = artifacts.generate_artifacts(model, requires_grad=["fc1.*"], frozen_params=["fc0.*"], loss=artifacts.LossType.MSELoss,
                                          nominal_checkpoint=True, artifact_directory=tmp_path)
     full, nominal = load_checkpoint(paths["checkpoint"]), load_checkpoint(paths["nominal_checkpoint"])
-    assert nominal.nominal and not full.nominal
-    assert list(nominal.parameters) == list(full.parameters) and nominal.requires_grad == full.requires_grad
+    assert nominal.nominal
+    assert not full.nominal
+    assert list(nominal.parameters) == list(full.parameters)
+    assert nominal.requires_grad == full.requires_grad
     for name, array in full.parameters.items():
         assert nominal.spec(name) == (array.shape, array.dtype)
         assert nominal.parameters[name].size == 0
@@ -639,7 +659,8 @@ def test_ops_without_a_gradient_rule_are_all_listed_before_anything_is_written(t
     message = str(err.value)
     for node in ("twice_a", "twice_b", "half"):
         assert node in message
-    assert "gradient rule" in message and set(err.value.missing) == {("test.odt", "Twice", 1), ("test.odt", "Half", 1)}  # the custom domain's own opset
+    assert "gradient rule" in message
+    assert set(err.value.missing) == {("test.odt", "Twice", 1), ("test.odt", "Half", 1)}  # the custom domain's own opset
     assert list(tmp_path.iterdir()) == []
     report = artifacts.check_coverage(model, ["fc*"])
     assert report["missing"] == err.value.missing

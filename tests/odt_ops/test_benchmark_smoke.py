@@ -41,18 +41,21 @@ def test_tiny_benchmark_run_writes_the_documented_json(tmp_path):
         assert peers["ort-inference"]["status"] == ("ok" if have_ort else "missing")
         odt = peers["odt"]
         assert odt["status"] == "ok", odt
-        assert odt["processes"] == 2 and not odt["imports_torch"]
+        assert odt["processes"] == 2
+        assert not odt["imports_torch"]
         for metric in METRICS:
             assert set(odt[metric]) == STATS
             assert odt[metric]["min"] <= odt[metric]["median"] <= odt[metric]["max"]
-        assert odt["train_ms"]["n"] == 4 and odt["eval_ms"]["n"] == 2  # 2 steps, 1 eval step, 2 processes
+        assert odt["train_ms"]["n"] == 4
+        assert odt["eval_ms"]["n"] == 2  # 2 steps, 1 eval step, 2 processes
         assert set(odt["cold_start_parts_ms"]) == {"import", "load", "first_step"}
         assert set(res["ratios"]) == {"odt/ORT", "odt/ort-inf"}
         assert all(v is None for v in res["ratios"]["odt/ORT"].values())
         if have_ort:  # same weights, same data: both runtimes start from the same loss
             assert res["first_loss_rel_spread"] < 1e-4
             assert all(res["ratios"]["odt/ort-inf"][m] > 0 for m in METRICS)
-    assert "train step" in proc.stdout and "ort-training: missing" in proc.stdout
+    assert "train step" in proc.stdout
+    assert "ort-training: missing" in proc.stdout
 
 
 @pytest.mark.slow
@@ -83,5 +86,7 @@ def test_memory_report_counts_the_activations_the_backward_reads():
     rows = [line.split() for line in report.splitlines()[2:4]]
     (b4, peak4, saved4, _), (b8, peak8, saved8, _) = ([float(v) for v in row] for row in rows)
     assert (b4, b8) == (4, 8)
-    assert saved8 == pytest.approx(2 * saved4, rel=1e-2) and saved4 >= 4 * (784 + 128) * 4 / 1024 - 0.1
-    assert peak4 >= saved4 and peak8 >= saved8
+    assert saved8 == pytest.approx(2 * saved4, rel=1e-2)
+    assert saved4 >= 4 * (784 + 128) * 4 / 1024 - 0.1
+    assert peak4 >= saved4
+    assert peak8 >= saved8

@@ -132,4 +132,7 @@ def test_mismatch_names_every_parameter(tmp_path):
     with pytest.raises(CheckpointError) as info:
         check_matches(ckpt, expected, "artifacts/checkpoint")
     text = str(info.value)
-    assert "fc.weight" in text and "fc.bias" in text and "missing" in text and "artifacts/checkpoint" in text
+    assert "fc.weight" in text
+    assert "fc.bias" in text
+    assert "missing" in text
+    assert "artifacts/checkpoint" in text

@@ -121,7 +121,8 @@ def test_the_property_bag_holds_only_the_users_properties(tmp_path):
     back = CheckpointState.load_checkpoint(tmp_path / "saved")
     assert len(back.properties) == 2
     assert dict(back.properties) == {"epoch": 3, "user": "u7"}  # iteration yields (key, value) pairs
-    assert back["epoch"] == 3 and "user" in back  # ONNX Runtime 1.16's state[name]
+    assert back["epoch"] == 3
+    assert "user" in back  # ONNX Runtime 1.16's state[name]
 
     # the Dropout generator was saved elsewhere: the resumed run draws the masks the first run would
     resumed = Module(d / "training_model.onnx", back, d / "eval_model.onnx")
@@ -144,12 +145,14 @@ def test_parameters_iterate_as_name_and_parameter_pairs(tmp_path):
     x, y = _data()
     module.train()(x, y)
     pairs = list(state.parameters)
-    assert [name for name, _ in pairs] == state.parameters.keys() and len(state.parameters) == 4
+    assert [name for name, _ in pairs] == state.parameters.keys()
+    assert len(state.parameters) == 4
     for name, parameter in pairs:
         assert parameter.name == name
         assert (parameter.grad is None) == (not parameter.requires_grad) == name.startswith("fc0")
     flat = module.get_contiguous_parameters()
-    assert isinstance(flat.numpy(), np.ndarray) and np.shares_memory(flat.numpy(), flat)  # .numpy() is a view
+    assert isinstance(flat.numpy(), np.ndarray)
+    assert np.shares_memory(flat.numpy(), flat)  # .numpy() is a view
 
 
 def _temperature_model(w, t):

@@ -29,12 +29,15 @@ def script() -> Path:
 
 def test_help_names_the_command_as_typed():
     out = subprocess.run([str(script()), "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.startswith("usage: odt "), out.stdout
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.startswith("usage: odt "), out.stdout
     assert "__main__" not in out.stdout
     out = subprocess.run([sys.executable, "-m", "odt_ops", "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.startswith("usage: python -m odt_ops "), out.stdout
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.startswith("usage: python -m odt_ops "), out.stdout
 
 
 def test_version_is_the_installed_distributions():
     out = subprocess.run([str(script()), "--version"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == f"odt {DIST.version}", out.stdout
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.strip() == f"odt {DIST.version}", out.stdout

@@ -66,7 +66,8 @@ def _oracles(model, feeds, *, reference=True):
     for other in theirs:
         assert len(ours) == len(other)
         for a, b in zip(ours, other):
-            assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+            assert a.dtype == b.dtype, (a.dtype, a.shape, b.dtype, b.shape)
+            assert a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     return ours
 
@@ -174,7 +175,9 @@ def test_static_loop_and_scan_unroll_and_constant_if_inlines_at_load():
     model.graph.initializer.append(numpy_helper.from_array(np.array(False), "c"))
     del model.graph.input[0]
     lowered = load_model(model, target_opset=None, batch_dim=None)
-    assert "If" not in _ops(lowered) and "Mul" in _ops(lowered) and "Add" not in _ops(lowered)
+    assert "If" not in _ops(lowered)
+    assert "Mul" in _ops(lowered)
+    assert "Add" not in _ops(lowered)
     x = np.array([2.0, 3.0], np.float32)
     np.testing.assert_array_equal(InferenceSession(model).run(None, {"x": x})[0], x * [3, 4])
 

@@ -38,7 +38,8 @@ def test_export_runs_on_onnxruntime_like_the_eval_model(trained, tmp_path):
     module.export_model_for_inferencing(tmp_path / "inference.onnx", ["output"])
     proto = onnx.load(tmp_path / "inference.onnx")
     onnx.checker.check_model(proto, full_check=True)
-    assert [i.name for i in proto.graph.input] == ["input"] and [o.name for o in proto.graph.output] == ["output"]
+    assert [i.name for i in proto.graph.input] == ["input"]
+    assert [o.name for o in proto.graph.output] == ["output"]
     assert not any(n.op_type in ("SoftmaxCrossEntropyLoss",) for n in proto.graph.node)
     # the running statistics the training steps updated are baked in
     bn_mean = next(t for t in proto.graph.initializer if t.name == "bn1.running_mean")

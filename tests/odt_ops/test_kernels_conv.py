@@ -162,7 +162,8 @@ def test_conv_by_kernel_taps_in_image_blocks_is_unchanged(monkeypatch, images_pe
     monkeypatch.setattr(conv_kernels, "_TAP_BLOCK_BYTES", images_per_block * conv_kernels._tap_bytes(X, 12, geo))
     assert conv_kernels._takes_taps(X, W, geo, 1)
     blocked = conv_kernels.conv(X, W, B, **attrs)[0]
-    assert blocked.dtype == whole.dtype and blocked.tobytes() == whole.tobytes()
+    assert blocked.dtype == whole.dtype
+    assert blocked.tobytes() == whole.tobytes()
 
 
 @SETTINGS
@@ -257,7 +258,8 @@ def test_max_pool_uint8_indices_skip_padding():
     # zeros tie with the uint8 padding value; the index must still point at a real element
     # (onnxruntime has no uint8 MaxPool with Indices, so this checks the definition directly)
     Y, I = max_pool(np.zeros((1, 1, 3, 3), dtype=np.uint8), kernel_shape=[2, 2], pads=[1, 1, 1, 1], _num_outputs=2)
-    assert Y.dtype == np.uint8 and Y.shape == (1, 1, 4, 4)
+    assert Y.dtype == np.uint8
+    assert Y.shape == (1, 1, 4, 4)
     np.testing.assert_array_equal(I, [[[[0, 0, 1, 2], [0, 0, 1, 2], [3, 3, 4, 5], [6, 6, 7, 8]]]])
 
 
@@ -314,12 +316,16 @@ def test_max_pool_tiled_indices_match_the_general_path(dtype, spatial, kernel, s
                               _num_outputs=2)
         finally:
             window_kernels.CACHE_BYTES = saved
-        assert sliced[0].tobytes() == Y.tobytes() and sliced[1].tobytes() == I.tobytes()
+        assert sliced[0].tobytes() == Y.tobytes()
+        assert sliced[1].tobytes() == I.tobytes()
         geo = _pool_geometry(X, "MaxPool", list(kernel), strides=list(kernel), dilations=None, pads=None,
                              auto_pad="NOTSET", ceil_mode=0)
         want_Y, want_I = _max_with_indices(X, pad_for_windows(X, geo, _lowest(X.dtype)), geo, storage_order)
-        assert Y.dtype == want_Y.dtype and Y.shape == want_Y.shape and Y.tobytes() == want_Y.tobytes()
-        assert I.dtype == np.int64 and I.flags.c_contiguous
+        assert Y.dtype == want_Y.dtype
+        assert Y.shape == want_Y.shape
+        assert Y.tobytes() == want_Y.tobytes()
+        assert I.dtype == np.int64
+        assert I.flags.c_contiguous
         np.testing.assert_array_equal(I, want_I)
         assert X.tobytes() == before.tobytes()
 
@@ -351,4 +357,5 @@ def test_conv_in_batch_slices_is_unchanged(geometry, transposed, group, in_per_g
             sliced = fn(X, W, B, group=group, **attrs)[0]
         finally:
             window_kernels.CACHE_BYTES = saved
-        assert sliced.dtype == whole.dtype and sliced.tobytes() == whole.tobytes()
+        assert sliced.dtype == whole.dtype
+        assert sliced.tobytes() == whole.tobytes()

@@ -221,7 +221,8 @@ def test_where_is_bit_identical_to_np_where(dtype, shapes, y_kind):
         if dtype.itemsize in _BITS:  # the select itself, also below the size the kernel uses it from
             candidates.append(_select_bits(condition, a, b))
         for got in candidates:
-            assert got.dtype == want.dtype and got.shape == want.shape
+            assert got.dtype == want.dtype
+            assert got.shape == want.shape
             assert got.tobytes() == want.tobytes()
 
 
@@ -255,9 +256,12 @@ def test_max_min_against_a_scalar_are_bit_identical_to_numpy(dtype, n):
         for ufunc, c in [(np.maximum, 0), (np.minimum, 0), (np.maximum, low), (np.minimum, 6), *signed]:
             want = ufunc(A, dtype.type(c))
             got = _with_scalar(ufunc, A, dtype.type(c))
-            assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+            assert got.dtype == want.dtype
+            assert got.shape == want.shape
+            assert got.tobytes() == want.tobytes()
             out = np.empty_like(A)
-            assert _with_scalar(ufunc, A, dtype.type(c), out=out) is not None and out.tobytes() == want.tobytes()
+            assert _with_scalar(ufunc, A, dtype.type(c), out=out) is not None
+            assert out.tobytes() == want.tobytes()
     assert run("Relu", X).tobytes() == np.maximum(X, dtype.type(0)).tobytes()
     lo, hi = np.array(1 if dtype.kind == "u" else -1, dtype), np.array(6, dtype)
     assert run("Clip", X, lo, hi).tobytes() == np.minimum(np.maximum(X, lo), hi).tobytes()

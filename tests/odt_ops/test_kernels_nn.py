@@ -164,7 +164,9 @@ def test_dropout_training_scales_kept_and_zeroes_dropped():
     x = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
     model, feeds = dropout_model(x, ratio, True)
     y, mask = run_odt(model, feeds, seed=3)
-    assert y.dtype == np.float32 and mask.dtype == np.bool_ and mask.shape == x.shape
+    assert y.dtype == np.float32
+    assert mask.dtype == np.bool_
+    assert mask.shape == x.shape
     np.testing.assert_allclose(y[mask], x[mask] / np.float32(1 - ratio), rtol=1e-6)
     assert not y[~mask].any()
     assert abs(mask.mean() - (1 - ratio)) < 0.02  # 8192 draws: 0.02 is about 4 standard deviations
@@ -176,7 +178,9 @@ def test_dropout_inference_is_identity_with_all_true_mask(training):
     model, feeds = dropout_model(x, 0.7, training)
     y, mask = run_odt(model, feeds)
     np.testing.assert_array_equal(y, x)
-    assert mask.dtype == np.bool_ and mask.shape == x.shape and mask.all()
+    assert mask.dtype == np.bool_
+    assert mask.shape == x.shape
+    assert mask.all()
 
 
 def test_dropout_zero_ratio_in_training_is_identity():
@@ -195,7 +199,8 @@ def test_dropout_before_opset12_is_test_mode_identity(opset):
                             outputs=[(np.float32, x.shape), (mask_dtype, x.shape)])
     y, mask = run_odt(model, feeds)
     np.testing.assert_array_equal(y, x)
-    assert mask.dtype == mask_dtype and mask.all()
+    assert mask.dtype == mask_dtype
+    assert mask.all()
 
 
 def test_dropout_rejects_ratio_one():
@@ -233,7 +238,8 @@ def assert_resize_matches_ort(x, **kwargs):
     model, feeds = resize_model(x, **kwargs)
     (got,) = run_odt(model, feeds)
     (want,) = run_ort(model, feeds)
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{got.dtype}{got.shape} != {want.dtype}{want.shape}"
+    assert got.dtype == want.dtype, f"{got.dtype}{got.shape} != {want.dtype}{want.shape}"
+    assert got.shape == want.shape, f"{got.dtype}{got.shape} != {want.dtype}{want.shape}"
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -372,7 +378,8 @@ def test_per_channel_is_numpy_broadcasting_bit_for_bit(shape, ufunc, dtype):
     v = rng.standard_normal(shape[1]).astype(dtype)
     want = ufunc(x, v.reshape((1, -1) + (1,) * (x.ndim - 2)))
     got = per_channel(ufunc, x, v)
-    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
     in_place = x.copy()
     assert per_channel(ufunc, in_place, v, out=in_place) is not None

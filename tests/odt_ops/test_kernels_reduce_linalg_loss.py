@@ -122,7 +122,9 @@ def test_gemm_few_rows_times_transposed_weights(dtype, m, k, n, alpha_beta):
     assert _swap_faster(A, B, 0, 1) == (m <= 64)
     (Y,) = gemm(A, B, C, alpha=alpha, beta=beta, transB=1)
     want = alpha * (A.astype(np.float64) @ B.T.astype(np.float64)) + beta * C
-    assert Y.dtype == dtype and Y.shape == (m, n) and Y.flags.c_contiguous
+    assert Y.dtype == dtype
+    assert Y.shape == (m, n)
+    assert Y.flags.c_contiguous
     np.testing.assert_allclose(Y, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-4 if dtype == np.float32 else 1e-10)
 
 
@@ -237,7 +239,8 @@ def test_reduce_sum_by_gemv_matches_numpy(dtype, shape, axes, keepdims, op):
     X = np.random.default_rng(sum(shape)).standard_normal(shape).astype(dtype)
     (got,) = (reduce_sum if op == "ReduceSum" else reduce_mean)(X, np.array(axes), keepdims=keepdims)
     exact = (np.sum if op == "ReduceSum" else np.mean)(X.astype(np.float64), axis=axes, keepdims=bool(keepdims))
-    assert got.dtype == dtype and got.shape == exact.shape
+    assert got.dtype == dtype
+    assert got.shape == exact.shape
     count = X.size // exact.size
     scale = np.sqrt(count) if op == "ReduceSum" else 1 / np.sqrt(count)  # the spread of a sum of N(0, 1)
     np.testing.assert_allclose(got, exact, rtol=0, atol=scale * (3e-6 if dtype == np.float32 else 1e-14) * 10)

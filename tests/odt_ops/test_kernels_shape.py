@@ -47,7 +47,8 @@ def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
 def assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{g.dtype}{g.shape} != {w.dtype}{w.shape}"
+        assert g.dtype == w.dtype, f"{g.dtype}{g.shape} != {w.dtype}{w.shape}"
+        assert g.shape == w.shape, f"{g.dtype}{g.shape} != {w.dtype}{w.shape}"
         np.testing.assert_array_equal(g, w)
 
 
@@ -251,7 +252,8 @@ def test_scatter_elements_flat_index_matches_per_axis_indexing(reduction, data_s
         want[tuple(grid)] = updates
     else:
         {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}[reduction].at(want, tuple(grid), updates)
-    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    assert got.dtype == want.dtype
+    assert got.tobytes() == want.tobytes()
     assert data.tobytes() == before.tobytes()
 
 

@@ -154,7 +154,9 @@ def test_unsupported_ops_are_listed_all_at_once():
     with pytest.raises(UnsupportedOpError) as info:
         odt_ops.load_model(proto)
     assert set(info.value.missing) == {("my.domain", "MyOp", 1), ("my.domain", "Other", 1)}
-    assert "custom1" in str(info.value) and "custom2" in str(info.value) and "other1" in str(info.value)
+    assert "custom1" in str(info.value)
+    assert "custom2" in str(info.value)
+    assert "other1" in str(info.value)
 
 
 def test_run_time_feeds_are_checked():

@@ -86,7 +86,8 @@ def test_a_custom_training_block_gives_pytorch_gradients_with_ort_accumulation(n
     block = _built(net, x, [name for name, _ in net.named_parameters()])
     training, evaluation = block.to_model_proto()
     trainable, frozen = block.parameters()
-    assert [t.name for t in trainable] == [n for n, _ in net.named_parameters()] and not frozen
+    assert [t.name for t in trainable] == [n for n, _ in net.named_parameters()]
+    assert not frozen
 
     # onnxruntime runs the training graph with ONNX Runtime's accumulation inputs and outputs
     feeds = {training.graph.input[0].name: x.numpy(), training.graph.input[1].name: y.numpy()}
@@ -315,8 +316,10 @@ def test_a_training_block_returning_loss_and_output_as_ort_desktop_mnist_does(tm
         loss_name, output_name = block("logits")
         eval_model = accessor.eval_model
     training, evaluation = block.to_model_proto()
-    assert output_name == "logits" and [o.name for o in training.graph.output][:2] == [loss_name, "logits"]
-    assert [o.name for o in evaluation.graph.output] == [loss_name, "logits"] and eval_model is evaluation
+    assert output_name == "logits"
+    assert [o.name for o in training.graph.output][:2] == [loss_name, "logits"]
+    assert [o.name for o in evaluation.graph.output] == [loss_name, "logits"]
+    assert eval_model is evaluation
     logits = net(x).detach().numpy()
     params = {n: p.detach().numpy() for n, p in net.named_parameters()}
     y_name = evaluation.graph.input[1].name

@@ -211,7 +211,9 @@ def test_optimizer_graph_is_standard_onnx_and_records_its_hyperparameters():
     assert data["kind"] == "AdamW"
     assert data["hyperparameters"] == {"max_norm": 2.0, "betas": [0.8, 0.9], "eps": 1e-7, "weight_decay": 0.2, "mode": "torch"}
     for slot, name in zip(data["parameters"], params):
-        assert slot["name"] == name and list(slot["states"]) == ["exp_avg", "exp_avg_sq"] and len(slot["outputs"]) == 3
+        assert slot["name"] == name
+        assert list(slot["states"]) == ["exp_avg", "exp_avg_sq"]
+        assert len(slot["outputs"]) == 3
     assert len(proto.graph.output) == 3 * len(params)
 
 
@@ -336,7 +338,8 @@ def test_loss_value_and_gradients_equal_torch(case, tmp_path):
     want.sum().backward()  # a reduction="none" loss is differentiated as its sum
 
     want_loss = want.detach().numpy()
-    assert loss.shape == want_loss.shape and loss.dtype == np.float32
+    assert loss.shape == want_loss.shape
+    assert loss.dtype == np.float32
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(eval_loss, want_loss, rtol=1e-5, atol=1e-6)
     for name, t in (("w", w), ("b", b)):

@@ -83,7 +83,8 @@ def test_reader_reads_the_property_bag():
     info, _ = expected("mlp")
     props = read_ort_checkpoint(FIXTURES / "mlp" / "checkpoint").properties
     assert props == info["properties"] == {"epoch": 2, "best_accuracy": 0.75, "run": "fixture"}
-    assert isinstance(props["epoch"], int) and isinstance(props["best_accuracy"], float)
+    assert isinstance(props["epoch"], int)
+    assert isinstance(props["best_accuracy"], float)
 
 
 def test_external_data_reads_as_the_same_checkpoint(tmp_path):
@@ -109,7 +110,8 @@ def test_nominal_checkpoint_reads_as_nominal():
     saved = prefixed(arrays, "saved/")
     path = FIXTURES / "mlp" / "nominal_checkpoint"
     ckpt = read_ort_checkpoint(path)
-    assert ckpt.nominal and ckpt.missing == set(saved)
+    assert ckpt.nominal
+    assert ckpt.missing == set(saved)
     assert all(a.size == 0 for a in ckpt.parameters.values())
     # ONNX Runtime writes nominal tensors without shapes; the eval model's inputs give them
     ckpt = read_ort_artifacts(FIXTURES / "mlp", checkpoint=path).checkpoint
@@ -283,7 +285,8 @@ def test_each_onnxruntime_loss_is_recognised_and_computes_the_same(kind, tmp_pat
     with np.load(directory / "expected.npz", allow_pickle=False) as npz:
         arrays = {k: npz[k] for k in npz.files}
     ort = read_ort_artifacts(directory)
-    assert ort.loss_kind == kind and ort.loss_inputs == ["output"]
+    assert ort.loss_kind == kind
+    assert ort.loss_inputs == ["output"]
     import_ort_artifacts(directory, tmp_path)
     state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
     module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
@@ -301,11 +304,14 @@ def test_each_onnxruntime_loss_is_recognised_and_computes_the_same(kind, tmp_pat
 def test_import_keeps_names_loss_optimizer_and_properties(tmp_path):
     info, _ = expected("mlp")
     ort = read_ort_artifacts(FIXTURES / "mlp")
-    assert ort.loss_kind == "CrossEntropyLoss" and ort.loss_inputs == ["output"]
-    assert sorted(ort.trainable) == sorted(info["trainable"]) and ort.frozen == info["frozen"]
+    assert ort.loss_kind == "CrossEntropyLoss"
+    assert ort.loss_inputs == ["output"]
+    assert sorted(ort.trainable) == sorted(info["trainable"])
+    assert ort.frozen == info["frozen"]
     hp = info["hyperparameters"]
     opt = ort.optimizer
-    assert opt.kind == "AdamW" and opt.mode == "ort"
+    assert opt.kind == "AdamW"
+    assert opt.mode == "ort"
     np.testing.assert_allclose([*opt.betas, opt.eps, opt.weight_decay, opt.max_norm],
                                [*hp["betas"], hp["eps"], hp["weight_decay"], hp["max_norm"]], rtol=1e-6)
     assert read_ort_artifacts(FIXTURES / "cnn").loss_kind == "MSELoss"

@@ -272,7 +272,8 @@ def test_zero_initial_state_constant_leaves_the_batch_free():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     x5 = np.random.default_rng(3).standard_normal((5, 4, 5)).astype(np.float32)  # batch 5
     (y, y_h, y_c) = sess.run(None, {"X": x5})
-    assert y.shape == (5, 4, 2, 3) and y_h.shape == y_c.shape == (5, 2, 3)
+    assert y.shape == (5, 4, 2, 3)
+    assert y_h.shape == y_c.shape == (5, 2, 3)
 
 
 def test_check_command_lists_no_recurrent_op(tmp_path, capsys):
@@ -282,7 +283,8 @@ def test_check_command_lists_no_recurrent_op(tmp_path, capsys):
     onnx.save(model, tmp_path / "gru.onnx")
     assert main(["check", str(tmp_path / "gru.onnx")]) == 0
     out = capsys.readouterr().out
-    assert "every node has a kernel" in out and "GRU," not in out
+    assert "every node has a kernel" in out
+    assert "GRU," not in out
 
 
 # ---- real exports: torch classifiers, trained one step ------------------------------------------

@@ -44,10 +44,12 @@ def _generate(tmp_path, model, loss=artifacts.LossType.CrossEntropyLoss, trainab
 def _assert_fused_equals_unfused(directory, x, y) -> Plan:
     fused, info = _training_plan(directory, fuse=True)
     plain, _ = _training_plan(directory, fuse=False)
-    assert len(fused.steps) < len(plain.steps) and not plain.fusions
+    assert len(fused.steps) < len(plain.steps)
+    assert not plain.fusions
     feeds = _feeds(directory, info, x, y)
     for got, want, name in zip(fused.run(feeds), plain.run(feeds), fused.output_names):
-        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.dtype == want.dtype, name
+        assert got.shape == want.shape, name
         np.testing.assert_array_equal(got, want, err_msg=name)
     return fused
 
@@ -87,7 +89,8 @@ def test_sigmoid_and_tanh_gradients_fuse_bit_for_bit(tmp_path):
     directory = _generate(tmp_path, _gated_mlp())
     x, y = classification_data(16, features=8)
     fused = _assert_fused_equals_unfused(directory, x, y)
-    assert Counter(fused.fusions)["SigmoidGrad"] == 1 and Counter(fused.fusions)["TanhGrad"] == 1
+    assert Counter(fused.fusions)["SigmoidGrad"] == 1
+    assert Counter(fused.fusions)["TanhGrad"] == 1
 
 
 @pytest.mark.parametrize("batchnorm", [False, True])
@@ -277,7 +280,8 @@ def test_a_failed_check_stops_the_run_before_any_destination_is_written(tmp_path
     plan, _ = _training_plan(directory, destinations=[info.gradients[p] for p in info.trainable], checks={info.loss: refuse})
     with pytest.raises(TrainingDivergedError, match="refused"):
         plan.run(_feeds(directory, info, *classification_data(16)), into=buffers)
-    assert len(seen) == 1 and all((b == 7.0).all() for b in buffers)
+    assert len(seen) == 1
+    assert all((b == 7.0).all() for b in buffers)
 
 
 def test_module_leaves_gradients_untouched_when_the_loss_diverges(tmp_path):
@@ -317,7 +321,8 @@ def test_instrument_wraps_every_kernel_and_undoes_it():
     feeds = [np.ones((2, 3), np.float32), np.ones((3, 4), np.float32)]
     plan.instrument(wrap)
     (y,) = plan.run(feeds)
-    assert calls == ["first", "second"] and y.shape == (2, 4)
+    assert calls == ["first", "second"]
+    assert y.shape == (2, 4)
     plan.instrument(None)
     plan.run(feeds)
     assert calls == ["first", "second"]
@@ -390,8 +395,10 @@ def test_weights_stored_transposed_train_exactly_as_row_major_ones(tmp_path, mon
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD)
     x, y = classification_data(24)
     module, state = _train_three_steps(tmp_path, x, y)
-    assert module.params.transposed == {"fc1.weight"} and module.frozen.transposed == {"fc0.weight"}
-    assert state.parameters["fc0.weight"].data.flags.f_contiguous and state.parameters["fc1.weight"].grad.flags.f_contiguous
+    assert module.params.transposed == {"fc1.weight"}
+    assert module.frozen.transposed == {"fc0.weight"}
+    assert state.parameters["fc0.weight"].data.flags.f_contiguous
+    assert state.parameters["fc1.weight"].grad.flags.f_contiguous
     monkeypatch.setattr(module_api, "_transposed_weights", lambda graph, names: frozenset())
     plain, plain_state = _train_three_steps(tmp_path, x, y)
     assert not plain.params.transposed
@@ -439,7 +446,8 @@ def test_relu_of_a_vector_product_is_fused_too():
     assert plan.fusions == ["MatMulRelu"]
     for x in (w, -w):
         got = np.asarray(plan.run([x])[0])
-        assert got.shape == () and got == max(np.float32(x @ w), np.float32(0))
+        assert got.shape == ()
+        assert got == max(np.float32(x @ w), np.float32(0))
 
 
 def _two_node_plan(**kwargs):
@@ -460,7 +468,8 @@ def test_the_generated_run_has_source_that_tracebacks_and_debuggers_show():
 
     plan = _two_node_plan()
     source = inspect.getsource(plan._run.fn)  # what pdb's `list` shows
-    assert "Relu node 'act': (x) -> (h)" in source and "Reshape node 'flat': (h, s) -> (y)" in source
+    assert "Relu node 'act': (x) -> (h)" in source
+    assert "Reshape node 'flat': (h, s) -> (y)" in source
     with pytest.raises(KernelError) as raised:
         plan.run([np.ones((2, 3), np.float32), np.array([4, 4])])
     shown = "".join(traceback.format_exception(raised.value.__cause__))

@@ -63,5 +63,6 @@ def test_a_write_removes_what_a_killed_writer_left_and_nothing_else(tmp_path):
 
     save_checkpoint(Checkpoint(parameters={"w": np.ones(4, np.float32)}, requires_grad={"w": True}), target)
     assert not leftovers[0].exists()
-    assert live.exists() and other.exists()
+    assert live.exists()
+    assert other.exists()
     np.testing.assert_array_equal(load_checkpoint(target).parameters["w"], np.ones(4, np.float32))

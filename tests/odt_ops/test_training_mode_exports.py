@@ -75,7 +75,8 @@ def test_eval_model_and_inference_export_match_pytorch_eval(tmp_path, opset):
     exported = onnx.load(str(tmp_path / "inference.onnx"))
     for node in exported.graph.node:
         if node.op_type == "BatchNormalization":
-            assert len(node.output) == 1 and not any(a.name == "training_mode" and a.i for a in node.attribute)
+            assert len(node.output) == 1
+            assert not any(a.name == "training_mode" and a.i for a in node.attribute)
         if node.op_type == "Dropout":
             assert len(node.input) < 3 or not node.input[2]
 

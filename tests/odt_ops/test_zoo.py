@@ -37,7 +37,8 @@ def _compare(proto: onnx.ModelProto, weights: str) -> None:
     got = sess.run(None, {spec.name: x})
     want = _ort_run(proto, {spec.name: x})
     for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
+        assert g.shape == w.shape
+        assert g.dtype == w.dtype
         scale = float(np.max(np.abs(w)))
         assert float(np.max(np.abs(g - w))) <= 1e-4 * scale, f"max error {np.max(np.abs(g - w))} vs scale {scale}"
         if weights == "random":

@@ -76,7 +76,8 @@ def _shape(value: onnx.ValueInfoProto) -> list[int]:
 
 
 def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert got.dtype == want.dtype
     return float(np.max(np.abs(got.astype(np.float64) - want))) / float(np.max(np.abs(want)))
 
 
@@ -98,7 +99,8 @@ def test_zoo_training_step_matches_onnxruntime(name, tmp_path):
                                          loss_input_names=_logits(forward), artifact_directory=tmp_path)
     proto = onnx.load(paths["training_model"])
     info = meta.read(proto)
-    assert info.trainable == trainable and len(info.gradients) == len(trainable)
+    assert info.trainable == trainable
+    assert len(info.gradients) == len(trainable)
 
     rng = np.random.default_rng(0)
     inputs = {i.name: i for i in proto.graph.input}

@@ -50,7 +50,8 @@ def test_a_damaged_model_handed_to_a_stage_is_one_line(project, tiny_run, capsys
         (project / rel).with_name(DIGESTS).unlink(missing_ok=True)
     assert importlib.import_module(f"pipeline.{stage}").main(ARGS) == 1
     line = one_line(capsys)
-    assert line.startswith(f"{stage}: error: ") and rel in line, line
+    assert line.startswith(f"{stage}: error: "), line
+    assert rel in line, line
 
 
 def test_a_flipped_bit_in_eval_model_is_refused_by_export(project, tiny_run, capsys):
@@ -60,14 +61,16 @@ def test_a_flipped_bit_in_eval_model_is_refused_by_export(project, tiny_run, cap
     paths.artifacts.eval_model.write_bytes(bytes(data))
     assert importlib.import_module("pipeline.export").main(ARGS) == 1
     line = one_line(capsys)
-    assert "data/generate/eval_model.onnx: changed after its stage wrote it" in line and "dvc checkout" in line, line
+    assert "data/generate/eval_model.onnx: changed after its stage wrote it" in line, line
+    assert "dvc checkout" in line, line
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-0.1", "0"])
 def test_a_learning_rate_that_is_not_finite_and_positive_is_a_configuration_error(project, capsys, value):
     assert importlib.import_module("pipeline.train").main(["tracking=disabled", f"optimizer.lr={value}"]) == 2
     line = one_line(capsys)
-    assert "optimizer.lr=" in line and "a finite number > 0" in line, line
+    assert "optimizer.lr=" in line, line
+    assert "a finite number > 0" in line, line
 
 
 # --------------------------------------------------------------------------- the user's data
@@ -104,14 +107,18 @@ def test_user_data_that_would_exhaust_memory_is_one_line(project, capsys):
     png_header_only(user / "big" / "4" / "large.png", 5000, 5000)  # below Pillow's limit, above ours
     assert prepare.main(["tracking=disabled", *TINY, "data.user_data=data/user/forged.npz"]) == 1
     line = one_line(capsys)
-    assert "forged.npz" in line and "declares shape [1000000000000]" in line, line
+    assert "forged.npz" in line, line
+    assert "declares shape [1000000000000]" in line, line
     assert prepare.main(["tracking=disabled", *TINY, "data.user_data=data/user/big"]) == 1
     line = one_line(capsys)
-    assert "bomb.png" in line and "decompression bomb" in line, line
+    assert "bomb.png" in line, line
+    assert "decompression bomb" in line, line
     (user / "big" / "3" / "bomb.png").unlink()
     assert prepare.main(["tracking=disabled", *TINY, "data.user_data=data/user/big"]) == 1
     line = one_line(capsys)
-    assert "large.png" in line and "5000x5000" in line and "decompression bomb" in line, line
+    assert "large.png" in line, line
+    assert "5000x5000" in line, line
+    assert "decompression bomb" in line, line
 
 
 def test_a_csv_saved_by_excel_with_a_byte_order_mark_is_read(tmp_path):
@@ -146,5 +153,7 @@ def test_files_dropped_into_data_user_are_used_or_one_line_says_why_not(project,
     (user / "notes.txt").write_text("not data")  # a file of no known kind: said, and the simulated user stands in
     assert prepare.main(["tracking=disabled", *TINY]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prepare: not using")]
-    assert len(err) == 1 and "notes.txt" in err[0] and "data.user_data" in err[0], err
+    assert len(err) == 1, err
+    assert "notes.txt" in err[0], err
+    assert "data.user_data" in err[0], err
     assert len(load_npz(paths.split("user_train"))["y"]) == 30  # TINY's simulated user: 3 per class

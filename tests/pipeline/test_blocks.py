@@ -28,7 +28,8 @@ def test_conf_offers_exactly_the_engines_losses_and_optimizers():
     """A new engine class without a conf/ option (or an option naming no engine class) fails here."""
     assert {load_cfg(f"loss={o}").loss["_target_"] for o in LOSSES} == _engine_classes(loss, Block)
     assert {load_cfg(f"optimizer={o}").optimizer.block["_target_"] for o in OPTIMIZERS} == _engine_classes(optim, optim.Optimizer)
-    assert {"cross_entropy", "mse", "l1", "bce_with_logits"} <= set(LOSSES) and {"adam", "adamw", "sgd"} <= set(OPTIMIZERS)
+    assert {"cross_entropy", "mse", "l1", "bce_with_logits"} <= set(LOSSES)
+    assert {"adam", "adamw", "sgd"} <= set(OPTIMIZERS)
 
 
 @pytest.fixture(scope="module")
@@ -64,5 +65,6 @@ def test_each_option_generates_artifacts_that_train(loss_option, optimizer_optio
         losses.append(float(out[0] if isinstance(out, list) else out))
         optimizer.step()
         module.lazy_reset_grad()
-    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses  # descent on the batch it steps on
+    assert all(np.isfinite(losses)), losses
+    assert losses[-1] < losses[0], losses  # descent on the batch it steps on
     assert not np.array_equal(before["head.weight"], state.parameters["head.weight"].data)

@@ -35,12 +35,16 @@ def test_every_group_option_composes_and_validates(group, option):
 
 def test_defaults_and_types():
     cfg = load_cfg()
-    assert cfg.model.source is ModelSource.builtin and cfg.model.arch is Arch.mlp
-    assert cfg.optimizer.block["_target_"] == "odt_ops.onnxblock.optim.AdamW" and isinstance(cfg.optimizer.lr, float)
+    assert cfg.model.source is ModelSource.builtin
+    assert cfg.model.arch is Arch.mlp
+    assert cfg.optimizer.block["_target_"] == "odt_ops.onnxblock.optim.AdamW"
+    assert isinstance(cfg.optimizer.lr, float)
     assert cfg.optimizer.block["betas"] == [0.9, 0.999]
-    assert cfg.trainable.select is Select.last_n and cfg.trainable.last_n == 1  # head only
+    assert cfg.trainable.select is Select.last_n
+    assert cfg.trainable.last_n == 1  # head only
     sgd = load_cfg("optimizer=sgd", "optimizer.lr=0.1")
-    assert sgd.optimizer.block["momentum"] == 0.9 and sgd.optimizer.lr == 0.1
+    assert sgd.optimizer.block["momentum"] == 0.9
+    assert sgd.optimizer.lr == 0.1
     assert config.build(sgd.optimizer.block) == optim.SGD(momentum=0.9)  # the engine's block, built from conf/
 
 
@@ -140,7 +144,9 @@ def test_stage_cli_prints_one_line_and_exits_2_on_a_typo(project):
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "optimizer.lrr" in lines[0] and "Traceback" not in proc.stderr
+    assert len(lines) == 1
+    assert "optimizer.lrr" in lines[0]
+    assert "Traceback" not in proc.stderr
     assert not (project / "data").exists()  # nothing was written
 
 
@@ -149,7 +155,8 @@ def test_dvc_yaml_stages_read_existing_params_and_never_tracking():
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     for name, stage in dvc["stages"].items():
         assert stage["cmd"] == f"sh pipeline/stage.sh {name}"  # python -m pipeline.<name>, with the project's python
-        assert f"pipeline/{name}.py" in stage["deps"] and "pipeline/config" in stage["deps"]
+        assert f"pipeline/{name}.py" in stage["deps"]
+        assert "pipeline/config" in stage["deps"]
         for dep in stage["deps"]:
             assert (REPO / dep).exists() or dep.startswith("data/") and dep.split("/")[1] in dvc["stages"], dep
         for key in stage["params"]:
@@ -188,9 +195,12 @@ def test_a_hand_run_is_params_yaml_plus_the_overrides(workspace_lr_1e3):
     """What DVC would run, plus my overrides: values nobody overrode stay params.yaml's."""
     root = workspace_lr_1e3
     cfg = config.load(["tracking=disabled"], root=root)
-    assert cfg.optimizer.lr == 1e-3 and cfg.train.epochs == 7 and cfg.tracking.enabled is False
+    assert cfg.optimizer.lr == 1e-3
+    assert cfg.train.epochs == 7
+    assert cfg.tracking.enabled is False
     cfg = config.load(["train.epochs=2"], root=root)
-    assert cfg.optimizer.lr == 1e-3 and cfg.train.epochs == 2
+    assert cfg.optimizer.lr == 1e-3
+    assert cfg.train.epochs == 2
     assert config.source_of(["train.epochs=2"], root=root) == "params.yaml + overrides: train.epochs=2"
     assert config.recomposed(["train.epochs=2"], root=root) is None
 
@@ -204,10 +214,15 @@ def test_a_group_switch_recomposes_only_its_section_and_says_so(workspace_lr_1e3
     assert cfg["optimizer"] == hydra_sgd["optimizer"]  # lr 0.05, SGD's block: the option's values
     assert cfg["train"]["epochs"] == 7  # untouched sections keep params.yaml's values
     note = config.recomposed(["optimizer=sgd", "tracking=disabled", "train.epochs=3"], root=root)
-    assert note is not None and len(note.splitlines()) == 1
-    assert "conf/optimizer/sgd.yaml" in note and "conf/tracking/disabled.yaml" in note and "train" not in note.split(";")[0]
+    assert note is not None
+    assert len(note.splitlines()) == 1
+    assert "conf/optimizer/sgd.yaml" in note
+    assert "conf/tracking/disabled.yaml" in note
+    assert "train" not in note.split(";")[0]
     cfg = config.load(["model=cnn", "optimizer.lr=0.5"], root=root)  # a switch and a value, as the issue writes them
-    assert cfg.model.arch is Arch.cnn and cfg.optimizer.lr == 0.5 and cfg.train.epochs == 7
+    assert cfg.model.arch is Arch.cnn
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.train.epochs == 7
 
 
 def test_overrides_on_params_yaml_keep_hydra_errors(workspace_lr_1e3):

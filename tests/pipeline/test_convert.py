@@ -42,7 +42,8 @@ def test_builtin_models_run_alike_in_odt_ops_and_onnxruntime(paths, model):
     path = paths.base_model
     proto = onnx.load(path)
     onnx.checker.check_model(proto, full_check=True)
-    assert proto.opset_import[0].version == models.OPSET and proto.ir_version <= 10
+    assert proto.opset_import[0].version == models.OPSET
+    assert proto.ir_version <= 10
     assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch
     x = user_samples(paths)
     (ours,) = odt_ops.InferenceSession(path).run(None, {"input": x})

@@ -49,25 +49,29 @@ def test_dvc_repro_caching_and_overrides_in_a_fresh_clone(tmp_path):
     env = dvc_env(tmp_path)
 
     ran, out = dvc(repo, env, "repro")
-    assert [s for s in ran if s != "federate"] == ALL[:-1] and ran.index("federate") > ran.index("generate"), out
+    assert [s for s in ran if s != "federate"] == ALL[:-1], out
+    assert ran.index("federate") > ran.index("generate"), out
     assert "user holdout: base" in out  # evaluate's one-line summary
     for path in ("data/export/inference.onnx", "data/export/model.odtdiff", "data/train/checkpoint", "data/evaluate/metrics.json",
                  "data/train/curve.csv", "data/generate/training_model.onnx", "data/pretrain/base.onnx",
                  "data/federate/checkpoint", "data/federate/inference.onnx", "data/federate/rounds.csv", "data/federate/metrics.json"):
         assert (repo / path).is_file(), path
     ran, out = dvc(repo, env, "repro")
-    assert ran == [] and out.count("didn't change, skipping") == len(ALL), out
+    assert ran == [], out
+    assert out.count("didn't change, skipping") == len(ALL), out
 
     # metrics and plots as DVC shows them
     _, shown = dvc(repo, env, "metrics", "show", "--md")
-    assert "personalization_gain" in shown and "data/evaluate/metrics.json" in shown
+    assert "personalization_gain" in shown
+    assert "data/evaluate/metrics.json" in shown
     _, plots = dvc(repo, env, "plots", "show", "--json")
     for name in ("data/train/curve.csv", "data/evaluate/confusion_personalized.json", "data/federate/rounds.csv"):
         assert name in plots, plots[:500]
     # what a person commits: the lock, DVC's .gitignore entries and the small metric files, never the cached outputs
     subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
     staged = subprocess.run(["git", "diff", "--cached", "--name-only"], cwd=repo, env=env, capture_output=True, text=True).stdout.split()
-    assert "dvc.lock" in staged and "data/evaluate/metrics.json" in staged
+    assert "dvc.lock" in staged
+    assert "data/evaluate/metrics.json" in staged
     assert not [p for p in staged if p.endswith((".onnx", ".npz", "checkpoint", ".odtdiff"))], staged
     subprocess.run(["git", "commit", "-q", "-m", "baseline"], cwd=repo, env=env, check=True)
 
@@ -76,7 +80,8 @@ def test_dvc_repro_caching_and_overrides_in_a_fresh_clone(tmp_path):
     assert ran == ["train", "evaluate", "export"], out
     # what is trainable is baked into the artifacts: from generate on
     ran, out = dvc(repo, env, "exp", "run", "-n", "all", "-S", "trainable=all")
-    assert sorted(ran) == sorted(["generate", "train", "evaluate", "export", "federate"]) and ran[0] == "generate", out
+    assert sorted(ran) == sorted(["generate", "train", "evaluate", "export", "federate"]), out
+    assert ran[0] == "generate", out
     # a model group switch with a value, as the issue writes it
     ran, out = dvc(repo, env, "exp", "run", "-n", "cnn", "-S", "optimizer.lr=3e-3", "-S", "model=cnn")
     assert sorted(ran) == sorted(ALL[1:]), out
@@ -85,13 +90,16 @@ def test_dvc_repro_caching_and_overrides_in_a_fresh_clone(tmp_path):
     assert {"lr", "all", "cnn"} <= set(rows), table
     for name in ("lr", "all", "cnn"):  # each experiment's commit holds its metrics
         assert float(rows[name]["personalization_gain"]) == float(rows[name]["personalization_gain"]), rows[name]
-    assert rows["lr"]["optimizer.lr"] == "0.01" and rows["cnn"]["model.arch"] == "cnn"
+    assert rows["lr"]["optimizer.lr"] == "0.01"
+    assert rows["cnn"]["model.arch"] == "cnn"
     # the README's readable view: the learning rate beside the holdout accuracy at a terminal's width
     env_width = {**env, "COLUMNS": "160"}
     _, view = dvc(repo, env_width, *readme_commands("dvc exp show --drop")[0][1:], "--no-pager")
-    assert max(len(row) for row in view.splitlines()) <= 160 and "…" not in view, view
+    assert max(len(row) for row in view.splitlines()) <= 160, view
+    assert "…" not in view, view
     header = next(row for row in view.splitlines() if "Experiment" in row).split()
-    assert "optimizer.lr" in header and "user_holdout.personalized.accuracy" in header, view
+    assert "optimizer.lr" in header, view
+    assert "user_holdout.personalized.accuracy" in header, view
     assert all(name in view for name in ("lr", "all", "cnn")), view
 
     # a typo and a wrong type stop before any work, naming the key; outputs stay
@@ -99,11 +107,15 @@ def test_dvc_repro_caching_and_overrides_in_a_fresh_clone(tmp_path):
     _, out = dvc(repo, env, "exp", "run", "-S", "optimizer.lrr=1", ok=False)
     assert "optimizer.lrr" in out, out
     ran, out = dvc(repo, env, "exp", "run", "-S", "optimizer.lr=abc", ok=False)  # back to the mlp: convert is first to run
-    assert ran == ["convert"] and "convert: error: optimizer.lr='abc': expected a number" in out, out
+    assert ran == ["convert"], out
+    assert "convert: error: optimizer.lr='abc': expected a number" in out, out
     assert {p: (repo / p).read_bytes() for p in before} == before  # persist: DVC left them, the stage never replaced them
     # a missing data file: prepare names it and the fix; every output is still there
     ran, out = dvc(repo, env, "exp", "run", "-S", "data.user_data=data/user/mine.npz", ok=False)
-    assert ran == ["prepare"] and "data/user/mine.npz" in out and "data.user_data=null" in out, out
-    assert (repo / "data/prepare/user_train.npz").is_file() and (repo / "data/export/inference.onnx").is_file()
+    assert ran == ["prepare"], out
+    assert "data/user/mine.npz" in out, out
+    assert "data.user_data=null" in out, out
+    assert (repo / "data/prepare/user_train.npz").is_file()
+    assert (repo / "data/export/inference.onnx").is_file()
 
     assert not (tmp_path / "torch-imported").exists(), (tmp_path / "torch-imported").read_text()

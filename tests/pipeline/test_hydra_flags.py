@@ -36,10 +36,12 @@ def test_cfg_job_prints_the_configuration_the_stage_would_run(workspace):
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
     assert "hydra" not in cfg  # job only
-    assert cfg["optimizer"]["lr"] == 1e-3 and cfg["tracking"]["enabled"] is False  # params.yaml plus the override
+    assert cfg["optimizer"]["lr"] == 1e-3
+    assert cfg["tracking"]["enabled"] is False  # params.yaml plus the override
     proc = stage(workspace, "--cfg", "job", "--package", "optimizer")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("# @package optimizer") and yaml.safe_load(proc.stdout)["lr"] == 1e-3  # Hydra's package view
+    assert proc.stdout.startswith("# @package optimizer")
+    assert yaml.safe_load(proc.stdout)["lr"] == 1e-3  # Hydra's package view
     proc = stage(workspace, "-c", "hydra")
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(proc.stdout)["hydra"]["run"]["dir"] == "."  # conf/config.yaml's hydra node
@@ -50,19 +52,26 @@ def test_info_and_hydra_help_are_hydras(workspace):
     assert proc.returncode == 0, proc.stderr
     for section in ("Config search path", "Defaults Tree", "Config"):
         assert section in proc.stdout, proc.stdout[:2000]
-    assert "model: cnn" in proc.stdout and f"file://{workspace / 'conf'}" in proc.stdout  # the switched group, conf/ searched
+    assert "model: cnn" in proc.stdout
+    assert f"file://{workspace / 'conf'}" in proc.stdout  # the switched group, conf/ searched
     proc = stage(workspace, "--hydra-help")
-    assert proc.returncode == 0 and "--cfg,-c" in proc.stdout and "--multirun,-m" in proc.stdout, proc.stdout
+    assert proc.returncode == 0, proc.stdout
+    assert "--cfg,-c" in proc.stdout, proc.stdout
+    assert "--multirun,-m" in proc.stdout, proc.stdout
 
 
 def test_multirun_says_how_to_sweep(workspace):
     for args in (["-m", "optimizer.lr=1e-3,3e-3"], ["optimizer.lr=1e-3,3e-3"]):
         proc = stage(workspace, *args)
         lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-        assert "dvc exp run --queue -S 'optimizer.lr=1e-3,3e-3'" in lines[0] and "Traceback" not in proc.stderr
+        assert proc.returncode == 2, proc.stderr
+        assert len(lines) == 1, proc.stderr
+        assert "dvc exp run --queue -S 'optimizer.lr=1e-3,3e-3'" in lines[0]
+        assert "Traceback" not in proc.stderr
 
 
 def test_a_bad_override_with_cfg_is_one_line(workspace):
     proc = stage(workspace, "--cfg", "job", "optimizer.lrr=1")
-    assert proc.returncode == 2 and "optimizer.lrr" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "optimizer.lrr" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

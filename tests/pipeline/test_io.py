@@ -43,7 +43,8 @@ def test_a_swap_killed_half_way_is_finished_or_undone_by_the_next_run(tmp_path, 
     (target / "model.onnx").write_text("old")
     assert killed_while_publishing(target, after) == 9
     if after == "old":  # the crash the issue saw: no data/train at all, only the dot folders
-        assert not target.exists() and sorted(p.name.split("-")[0] for p in target.parent.iterdir()) == [".train.old", ".train.ready"]
+        assert not target.exists()
+        assert sorted(p.name.split("-")[0] for p in target.parent.iterdir()) == [".train.old", ".train.ready"]
     with publish_dir(target) as staging:  # the next run: it finds the half-done swap first
         (staging / "seen.txt").write_text((target / "model.onnx").read_text())
     assert (target / "seen.txt").read_text() == content  # the swap was finished (or undone) before the stage ran
@@ -59,7 +60,8 @@ def test_digests_are_sha256sum_compatible_and_catch_a_flipped_bit(tmp_path):
     write_digests(out)
     if shutil.which("sha256sum"):
         check = subprocess.run(["sha256sum", "--strict", "-c", DIGESTS], cwd=out, capture_output=True, text=True)
-        assert check.returncode == 0 and check.stdout.count(": OK") == 2, check.stdout + check.stderr
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert check.stdout.count(": OK") == 2, check.stdout + check.stderr
     verify_digest(out / "eval_model.onnx")  # unchanged: no error
     data = bytearray((out / "eval_model.onnx").read_bytes())
     data[1000] ^= 0x01

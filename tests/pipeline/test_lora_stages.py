@@ -39,8 +39,10 @@ def test_lora_stages_train_adapters_only_and_export_merged_and_adapter(tiny_run,
     pretrained = onnx.load(str(paths.pretrained_model))
     assert [n.op_type for n in exported.graph.node] == [n.op_type for n in pretrained.graph.node], "merged: the base graph"
     m = metrics["export"]
-    assert m["adapter.onnxruntime_max_abs_diff"] < cfg.export.check_atol and m["onnxruntime.checked"] == 1
-    assert (paths.out("export") / export.ADAPTER_FILE).is_file() and (paths.out("export") / export.ADAPTER_BASE).is_file()
+    assert m["adapter.onnxruntime_max_abs_diff"] < cfg.export.check_atol
+    assert m["onnxruntime.checked"] == 1
+    assert (paths.out("export") / export.ADAPTER_FILE).is_file()
+    assert (paths.out("export") / export.ADAPTER_BASE).is_file()
     diff = load_diff(paths.model_diff)
     assert sorted(diff.deltas) == summary["trainable"]
     full = sum(int(np.prod(t.dims)) for t in pretrained.graph.initializer)
@@ -64,12 +66,15 @@ def test_qat_stages_quantize_train_master_weights_and_export_qdq(tiny_run, tmp_p
     cfg = load_cfg(*TINY_RUN, "trainable=qat")
     metrics = run_stages(cfg, paths, ("generate", "train", "evaluate", "export"))
     summary = json.loads((paths.out("generate") / "artifacts.json").read_text())
-    assert summary["qat"] and sorted(summary["trainable"]) == ["fc1.weight", "head.weight"]  # float masters of the int8 weights
+    assert summary["qat"]
+    assert sorted(summary["trainable"]) == ["fc1.weight", "head.weight"]  # float masters of the int8 weights
     assert metrics["generate"]["n_trained_layers"] == 2
     exported = onnx.load(str(paths.inference_model))
     ops = [n.op_type for n in exported.graph.node]
-    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    assert "QuantizeLinear" in ops
+    assert "DequantizeLinear" in ops
     int8 = {t.name for t in exported.graph.initializer if t.data_type == onnx.TensorProto.INT8}
     assert {"fc1.weight_quantized", "head.weight_quantized"} <= int8
-    assert metrics["export"]["onnxruntime.checked"] == 1 and metrics["export"]["onnxruntime.max_abs_diff"] <= cfg.export.check_atol
+    assert metrics["export"]["onnxruntime.checked"] == 1
+    assert metrics["export"]["onnxruntime.max_abs_diff"] <= cfg.export.check_atol
     assert metrics["train"]["last_epoch_loss"] < metrics["train"]["first_epoch_loss"]

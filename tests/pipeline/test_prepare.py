@@ -24,13 +24,19 @@ def test_tiny_run_is_deterministic_and_well_formed(tmp_path):
     metrics = prepare.run(cfg, a)
     prepare.run(cfg, b)
     assert digest(a) == digest(b)
-    assert metrics["n_user_train"] == 30 and metrics["n_user_train"] + metrics["n_user_holdout"] == 100
+    assert metrics["n_user_train"] == 30
+    assert metrics["n_user_train"] + metrics["n_user_holdout"] == 100
     assert metrics["n_global_train"] + metrics["n_global_test"] == 1797 - 100
     for name in SPLITS:
         data = load_npz(a.split(name))
         x, y = data["x"], data["y"]
-        assert x.dtype == np.float32 and x.shape[1:] == (1, 8, 8) and 0 <= x.min() and x.max() <= 1
-        assert y.dtype == np.int64 and len(x) == len(y) and set(np.unique(y)) <= set(range(10))
+        assert x.dtype == np.float32
+        assert x.shape[1:] == (1, 8, 8)
+        assert 0 <= x.min()
+        assert x.max() <= 1
+        assert y.dtype == np.int64
+        assert len(x) == len(y)
+        assert set(np.unique(y)) <= set(range(10))
     assert np.bincount(load_npz(a.split("user_train"))["y"], minlength=10).tolist() == [3] * 10
     # another seed, other splits
     prepare.run(load_cfg(*TINY, "seed=1"), c := Paths(tmp_path / "c"))
@@ -61,7 +67,8 @@ def test_probe_metrics_record_the_shift(prepared):
 
     summary = json.loads((prepared.out("prepare") / "summary.json").read_text())
     m = summary["metrics"]
-    assert m["probe_acc_global_test"] > 0.85 and m["probe_acc_user_holdout"] < 0.7
+    assert m["probe_acc_global_test"] > 0.85
+    assert m["probe_acc_user_holdout"] < 0.7
     assert summary["style"]["slant_deg"] == 22.0
 
 
@@ -80,7 +87,8 @@ def test_own_npz_replaces_the_simulated_user(tmp_path):
     np.savez(tmp_path / "mine.npz", x=x / 16.0, y=y)
     paths = Paths(tmp_path)
     m = prepare.run(load_cfg("data.user_data=mine.npz", "data.user_holdout_fraction=0.5"), paths)
-    assert m["n_user_train"] == 30 and m["n_user_holdout"] == 30
+    assert m["n_user_train"] == 30
+    assert m["n_user_holdout"] == 30
     ux = np.concatenate([load_npz(paths.split(s))["x"] for s in ("user_train", "user_holdout")])
     assert ux.shape == (60, 1, 8, 8)
     assert np.isclose(np.sort(ux.ravel()), np.sort((x / 16.0).ravel().astype(np.float32))).all()
@@ -106,9 +114,12 @@ def test_own_image_folder_dark_ink_is_inverted(tmp_path):
             Image.fromarray(a).save(tmp_path / "imgs" / str(c) / f"{k}.png")
     paths = Paths(tmp_path)
     m = prepare.run(load_cfg("data.user_data=imgs"), paths)
-    assert m["n_user_train"] == 10 and m["n_user_holdout"] == 10
+    assert m["n_user_train"] == 10
+    assert m["n_user_holdout"] == 10
     x = load_npz(paths.split("user_train"))["x"]
-    assert x.shape[1:] == (1, 8, 8) and x.mean() < 0.3 and x.max() == 1.0  # light ink on dark, like the digits
+    assert x.shape[1:] == (1, 8, 8)
+    assert x.mean() < 0.3
+    assert x.max() == 1.0  # light ink on dark, like the digits
 
 
 @pytest.mark.parametrize(
@@ -155,6 +166,8 @@ def test_main_failure_keeps_earlier_outputs(project, capsys):
     before = digest(Paths(project))
     assert prepare.main(["tracking=disabled", *TINY, "data.user_data=data/user/nope.npz"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "nope.npz" in err[0] and "not found" in err[0]
+    assert len(err) == 1
+    assert "nope.npz" in err[0]
+    assert "not found" in err[0]
     assert digest(Paths(project)) == before
     assert sorted(p.name for p in (project / "data").iterdir()) == ["prepare"]  # no staging left behind

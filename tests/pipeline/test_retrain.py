@@ -68,7 +68,8 @@ def test_inbox_digest_sees_data_files_only(tmp_path):
 def test_decide(overrides, candidate, current, forgetting, promote, needle):
     d = retrain.decide(load_cfg(*overrides), {"user_holdout.personalized.accuracy": candidate, "forgetting": forgetting},
                        {"user_holdout": current}, "promoted")
-    assert d.promote is promote and needle in d.reason, d.reason
+    assert d.promote is promote, d.reason
+    assert needle in d.reason, d.reason
 
 
 def test_promote_swaps_a_symlink_and_keeps_a_few_versions(tmp_path):
@@ -80,12 +81,14 @@ def test_promote_swaps_a_symlink_and_keeps_a_few_versions(tmp_path):
     for i in range(5):
         (src / "inference.onnx").write_bytes(f"model {i}".encode())
         promotion.promote({"inference.onnx": src / "inference.onnx"}, {"job": {"id": f"job-{i}"}}, promoted, versions)
-        assert promoted.is_symlink() and (promoted / "inference.onnx").read_text() == f"model {i}"
+        assert promoted.is_symlink()
+        assert (promoted / "inference.onnx").read_text() == f"model {i}"
         assert json.loads((promoted / "metrics.json").read_text())["job"]["id"] == f"job-{i}"
     assert sorted(p.name for p in versions.iterdir()) == ["job-2", "job-3", "job-4"]
     with pytest.raises(FileNotFoundError):  # a promotion that fails half way leaves the current one
         promotion.promote({"inference.onnx": src / "gone.onnx"}, {"job": {"id": "job-5"}}, promoted, versions)
-    assert (promoted / "inference.onnx").read_text() == "model 4" and not (versions / "job-5").exists()
+    assert (promoted / "inference.onnx").read_text() == "model 4"
+    assert not (versions / "job-5").exists()
     assert sorted(p.name for p in versions.iterdir()) == ["job-2", "job-3", "job-4"]  # no staging left behind
 
 
@@ -120,7 +123,8 @@ def test_a_job_that_cannot_train_on_its_inbox_refuses_in_one_line(project, capsy
     if exit_info is not None:
         assert exit_info.value.code == code
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) <= 2 and all(n in err[-1] for n in needles), err  # argparse: usage line, then the error
+    assert len(err) <= 2, err
+    assert all(n in err[-1] for n in needles), err  # argparse: usage line, then the error
 
 
 def test_a_mixed_inbox_names_data_user_format(project, capsys):
@@ -131,7 +135,9 @@ def test_a_mixed_inbox_names_data_user_format(project, capsys):
     np.savez(inbox / "day1.npz", x=np.zeros((4, 64)), y=np.arange(4))
     assert retrain.main(["tracking=disabled"]) == 1
     (err,) = capsys.readouterr().err.strip().splitlines()
-    assert "data/user" in err and "more than one kind" in err and "data.user_format" in err, err
+    assert "data/user" in err, err
+    assert "more than one kind" in err, err
+    assert "data.user_format" in err, err
 
 
 # --------------------------------------------------------------------------- the job
@@ -181,14 +187,17 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     inbox = repo / "data" / "user"
     # 0. an empty inbox: nothing to do
     out = job(repo, env)
-    assert "no device data in data/user (0 file(s)" in out and "nothing to do" in out, out
+    assert "no device data in data/user (0 file(s)" in out, out
+    assert "nothing to do" in out, out
 
     # 1. 60 labelled PNGs arrive: the candidate trains on exactly them and is promoted over the base
     pngs = drop_pngs(inbox, 6)
     assert len(pngs) == 60
     out = job(repo, {**env, "MLFLOW_TRACKING_URI": mlflow_store}, "tracking.enabled=true")
-    assert "new device data in data/user (60 file(s)" in out and "data.user_data=data/user" in out, out
-    assert "retrain: promoted: holdout accuracy" in out and "of the pretrained base" in out, out
+    assert "new device data in data/user (60 file(s)" in out, out
+    assert "data.user_data=data/user" in out, out
+    assert "retrain: promoted: holdout accuracy" in out, out
+    assert "of the pretrained base" in out, out
     assert git_changes(repo, env) == []  # params.yaml, dvc.lock and the metrics files as committed
     record = json.loads((repo / "data/promoted/metrics.json").read_text())["job"]
     fs = DVCFileSystem(str(repo), rev=record["experiment_rev"])  # the experiment as DVC recorded it
@@ -204,36 +213,45 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     assert str(in_service.version) == str(record["registry_version"])
     (inbox_input,) = [d for d in client.get_run(in_service.run_id).inputs.dataset_inputs if d.dataset.name == "inbox"]
     digest = sha256sum_digest(inbox)
-    assert inbox_input.dataset.digest == digest[:36] and json.loads(inbox_input.dataset.profile)["sha256"] == digest
+    assert inbox_input.dataset.digest == digest[:36]
+    assert json.loads(inbox_input.dataset.profile)["sha256"] == digest
     assert {t.key: t.value for t in inbox_input.tags}["mlflow.data.context"] == "training"
     runs = client.search_runs([client.get_experiment_by_name("odt").experiment_id])
     (job_run,) = [r for r in runs if r.info.run_name == "retrain"]
     assert job_run.info.run_id == in_service.run_id == record["mlflow_run_id"]
-    assert job_run.data.tags["retrain.decision"] == "promoted" and job_run.data.tags["dvc.exp"] == record["id"]
+    assert job_run.data.tags["retrain.decision"] == "promoted"
+    assert job_run.data.tags["dvc.exp"] == record["id"]
     children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == job_run.info.run_id}
     assert {"prepare", "train", "evaluate", "export"} <= children, sorted(children)
     assert {a.path for a in client.list_artifacts(job_run.info.run_id, "job")} >= {"job/params.yaml", "job/dvc.lock", "job/metrics.json"}
 
     # 2. no new device data: nothing to do
     out = job(repo, env)
-    assert "no new device data in data/user (60 file(s)" in out and "nothing to do" in out, out
+    assert "no new device data in data/user (60 file(s)" in out, out
+    assert "nothing to do" in out, out
     first = promoted_state(repo)
 
     # 3. more data, and a learning rate that wrecks the head: kept out with the reason, continued from the promoted model
     drop_pngs(inbox, 1, offset=6)
     out = job(repo, env, "optimizer.lr=5")
     assert "continuing from data/promoted/checkpoint" in out, out
-    assert "retrain: kept the current model: holdout accuracy" in out and "it would regress" in out and "data/promoted/ unchanged" in out
-    assert promoted_state(repo) == first and git_changes(repo, env) == []
+    assert "retrain: kept the current model: holdout accuracy" in out
+    assert "it would regress" in out
+    assert "data/promoted/ unchanged" in out
+    assert promoted_state(repo) == first
+    assert git_changes(repo, env) == []
     out = job(repo, env, "optimizer.lr=5")  # the same data again: already tried
-    assert "already tried" in out and "--force" in out, out
+    assert "already tried" in out, out
+    assert "--force" in out, out
     history = [json.loads(line) for line in (repo / "data/retrain/history.jsonl").read_text().splitlines()]
     assert [(h["decision"], h["inbox_files"]) for h in history] == [("promoted", 60), ("kept", 70)]
 
     # 4. a second job while one holds the lock exits at once with a clear message (75: try again later)
     with promotion.job_lock(repo / "data/retrain/lock"):
         out = job(repo, env, "--force", code=75)
-    assert "another retrain job holds" in out and "data/retrain/lock" in out and f"pid {os.getpid()}" in out, out
+    assert "another retrain job holds" in out, out
+    assert "data/retrain/lock" in out, out
+    assert f"pid {os.getpid()}" in out, out
 
     # 5. an interrupted job (a scheduler's SIGTERM) leaves the promoted model as it was
     drop_pngs(inbox, 1, offset=7)
@@ -249,7 +267,8 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, "".join(seen_lines) + rest
     assert "interrupted; the promoted model is unchanged" in rest
-    assert promoted_state(repo) == first and git_changes(repo, env) == []
+    assert promoted_state(repo) == first
+    assert git_changes(repo, env) == []
     assert not [p for p in (repo / "data").iterdir() if p.name.startswith(".promoted")]
     assert not list((repo / "data/retrain").glob(".candidate-*"))
     shutil.rmtree(repo / ".dvc" / "tmp", ignore_errors=True)

@@ -57,13 +57,18 @@ def test_default_demo_personalization_pays_off(prepared, tmp_path):
 
 def test_pretrain_trains_fresh_sources_and_keeps_onnx_files(tiny_run, tmp_path):
     m = json.loads((tiny_run.out("pretrain") / "metrics.json").read_text())
-    assert m["trained"] == 1 and m["steps"] > 0 and m["global_test"]["accuracy"] > 0.5
+    assert m["trained"] == 1
+    assert m["steps"] > 0
+    assert m["global_test"]["accuracy"] > 0.5
     assert digest(tiny_run.out("pretrain") / "base.onnx") != digest(tiny_run.base_model)
-    assert pretrain.should_train(load_cfg("model=torch")) and not pretrain.should_train(load_cfg("model=onnx_file"))
-    assert not pretrain.should_train(load_cfg("pretrain.mode=skip")) and pretrain.should_train(load_cfg("model=onnx_file", "pretrain.mode=train"))
+    assert pretrain.should_train(load_cfg("model=torch"))
+    assert not pretrain.should_train(load_cfg("model=onnx_file"))
+    assert not pretrain.should_train(load_cfg("pretrain.mode=skip"))
+    assert pretrain.should_train(load_cfg("model=onnx_file", "pretrain.mode=train"))
     paths = copy_outputs(tiny_run, tmp_path, stages=("prepare", "convert"))
     metrics = pretrain.run(load_cfg(*TINY_RUN, "pretrain.mode=skip"), paths)
-    assert metrics["trained"] == 0 and digest(paths.pretrained_model) == digest(paths.base_model)
+    assert metrics["trained"] == 0
+    assert digest(paths.pretrained_model) == digest(paths.base_model)
 
 
 # --------------------------------------------------------------------------- generate
@@ -128,10 +133,14 @@ def test_generate_bad_trainable_names_the_key(tiny_run, tmp_path, overrides, nee
 def test_train_writes_checkpoints_curve_and_metrics(tiny_run):
     out = tiny_run.out("train")
     m = json.loads((out / "metrics.json").read_text())
-    assert m["steps"] == 6 and m["epochs"] == 3 and m["continued"] == 0 and m["total_steps"] == 6  # 30 samples, batch 16
+    assert m["steps"] == 6
+    assert m["epochs"] == 3
+    assert m["continued"] == 0
+    assert m["total_steps"] == 6  # 30 samples, batch 16
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004"]
     final = load_checkpoint(out / "checkpoint")
-    assert final.optimizer is not None and final.optimizer.step == 6  # optimizer state included
+    assert final.optimizer is not None
+    assert final.optimizer.step == 6  # optimizer state included
     assert sorted(final.optimizer.states) == ["head.bias", "head.weight"]
     assert sorted(final.optimizer.states["head.weight"]) == ["exp_avg", "exp_avg_sq"]
     assert load_checkpoint(out / "checkpoints" / "step_000004").optimizer.step == 4
@@ -153,11 +162,14 @@ def test_train_is_seeded_and_honours_the_device_limits(tiny_run, tmp_path):
     assert digest(a.out("train") / "checkpoint") == digest(b.out("train") / "checkpoint")
     with open(a.out("train") / "curve.csv", newline="") as f:
         lrs = [float(r["lr"]) for r in csv.DictReader(f)]
-    assert lrs[0] == 0 and lrs[2] == pytest.approx(3e-3) and lrs[-1] < lrs[2]  # warm-up, then linear decay
+    assert lrs[0] == 0
+    assert lrs[2] == pytest.approx(3e-3)
+    assert lrs[-1] < lrs[2]  # warm-up, then linear decay
     m = train.run(load_cfg(*TINY_RUN, "device=watch"), a)  # batch 4, at most 200 steps
     assert m["steps"] == 3 * 8
     m = train.run(load_cfg(*TINY_RUN, "device.max_steps=5"), a)
-    assert m["steps"] == 5 and m["stopped_early"] == 1
+    assert m["steps"] == 5
+    assert m["stopped_early"] == 1
 
 
 def test_train_continues_from_a_checkpoint_with_its_optimizer_state(tiny_run, tmp_path):
@@ -166,7 +178,9 @@ def test_train_continues_from_a_checkpoint_with_its_optimizer_state(tiny_run, tm
     shutil.copy(tiny_run.out("train") / "checkpoint", init)
     cfg = load_cfg(*TINY_RUN, f"train.init_checkpoint={init}", f"train.init_sha256={sha256_file(init)}")
     m = train.run(cfg, paths)
-    assert m["continued"] == 1 and m["resumed_optimizer_state"] == 1 and m["total_steps"] == 12
+    assert m["continued"] == 1
+    assert m["resumed_optimizer_state"] == 1
+    assert m["total_steps"] == 12
     final = load_checkpoint(paths.out("train") / "checkpoint")
     assert final.optimizer.step == 12  # AdamW's bias correction continues
     # the same 6 steps from the pretrained weights end elsewhere
@@ -232,7 +246,9 @@ def test_failing_stage_keeps_its_earlier_outputs(tiny_run, project, capsys):
     before = {p.name: digest(p) for p in (project / "data" / "train").iterdir() if p.is_file()}
     assert train.main(["tracking=disabled", *TINY_RUN, "train.init_checkpoint=data/nope.ckpt"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("train: error: train.init_checkpoint=data/nope.ckpt") and "Traceback" not in err[0]
+    assert len(err) == 1
+    assert err[0].startswith("train: error: train.init_checkpoint=data/nope.ckpt")
+    assert "Traceback" not in err[0]
     assert {p.name: digest(p) for p in (project / "data" / "train").iterdir() if p.is_file()} == before
     assert not [p for p in (project / "data").iterdir() if p.name.startswith(".")]  # no staging left behind
 
@@ -255,10 +271,12 @@ def test_evaluate_compares_base_and_personalized_on_both_sets(tiny_run):
     out = tiny_run.out("evaluate")
     m = json.loads((out / "metrics.json").read_text())
     holdout = load_npz(tiny_run.split("user_holdout"))
-    assert m["user_holdout"]["n"] == len(holdout["y"]) and m["global_test"]["n"] == len(load_npz(tiny_run.split("global_test"))["y"])
+    assert m["user_holdout"]["n"] == len(holdout["y"])
+    assert m["global_test"]["n"] == len(load_npz(tiny_run.split("global_test"))["y"])
     for split in ("user_holdout", "global_test"):
         for model in ("base", "personalized"):
-            assert 0 <= m[split][model]["accuracy"] <= 1 and m[split][model]["loss"] > 0
+            assert 0 <= m[split][model]["accuracy"] <= 1
+            assert m[split][model]["loss"] > 0
     for model in ("base", "personalized"):
         rows = json.loads((out / f"confusion_{model}.json").read_text())
         assert [r["actual"] for r in rows] == holdout["y"].tolist()
@@ -270,7 +288,9 @@ def test_export_runs_on_onnxruntime_and_its_difference_applies(tiny_run):
     out = tiny_run.out("export")
     proto = onnx.load(out / "inference.onnx")
     onnx.checker.check_model(proto, full_check=True)
-    assert proto.ir_version == 10 and [i.name for i in proto.graph.input] == ["input"] and not proto.metadata_props
+    assert proto.ir_version == 10
+    assert [i.name for i in proto.graph.input] == ["input"]
+    assert not proto.metadata_props
     x = load_npz(tiny_run.split("user_holdout"))["x"]
     sess = ort.InferenceSession(str(out / "inference.onnx"), providers=["CPUExecutionProvider"])
     theirs = sess.run(None, {"input": x})[0]
@@ -281,12 +301,15 @@ def test_export_runs_on_onnxruntime_and_its_difference_applies(tiny_run):
     acc = float((theirs.argmax(1) == load_npz(tiny_run.split("user_holdout"))["y"]).mean())
     assert acc == pytest.approx(json.loads((tiny_run.out("evaluate") / "metrics.json").read_text())["user_holdout"]["personalized"]["accuracy"])
     diff = load_diff(out / "model.odtdiff")
-    assert sorted(diff.deltas) == ["head.bias", "head.weight"] and diff.num_examples == 30 and diff.num_steps == 6
+    assert sorted(diff.deltas) == ["head.bias", "head.weight"]
+    assert diff.num_examples == 30
+    assert diff.num_steps == 6
     restored = apply_diff(load_checkpoint(tiny_run.out("generate") / "checkpoint"), diff)
     trained = load_checkpoint(tiny_run.out("train") / "checkpoint")
     np.testing.assert_allclose(restored.parameters["head.weight"], trained.parameters["head.weight"], atol=1e-6)
     m = json.loads((out / "metrics.json").read_text())
-    assert m["onnxruntime"]["checked"] == 1 and m["onnxruntime"]["argmax_agreement"] == 1.0
+    assert m["onnxruntime"]["checked"] == 1
+    assert m["onnxruntime"]["argmax_agreement"] == 1.0
 
 
 def test_export_ir_version_from_config(tiny_run, tmp_path):
@@ -302,7 +325,8 @@ def test_export_writes_the_web_bundle_of_generates_artifacts(tiny_run):
     blob = (web / "bundle.bin").read_bytes()
     for entry in manifest["models"].values():
         original = (tiny_run.out("generate") / entry["file"]).read_bytes()
-        assert blob[entry["offset"] : entry["offset"] + entry["bytes"]] == original and entry["sha256"] == hashlib.sha256(original).hexdigest()
+        assert blob[entry["offset"] : entry["offset"] + entry["bytes"]] == original
+        assert entry["sha256"] == hashlib.sha256(original).hexdigest()
     y = load_npz(tiny_run.split("user_train"))["y"]
     assert manifest["samples"]["train"]["y"]["shape"] == [len(y)]
     assert json.loads((tiny_run.out("export") / "metrics.json").read_text())["web_bundle"]["bytes"] == len(blob)
@@ -317,7 +341,8 @@ def test_cnn_and_torch_sources_run_through_every_stage(tiny_run, tmp_path):
         cfg = load_cfg(*TINY_RUN, f"model={model}")
         convert.run(cfg, paths)
         m = run_stages(cfg, paths)
-        assert m["pretrain"]["trained"] == 1 and m["export"]["onnxruntime.checked"] == 1
+        assert m["pretrain"]["trained"] == 1
+        assert m["export"]["onnxruntime.checked"] == 1
         assert json.loads((paths.out("generate") / "artifacts.json").read_text())["trainable"] == ["head.weight", "head.bias"]
 
 
@@ -361,9 +386,12 @@ def test_progress_bar_on_a_terminal_only(tiny_run, tmp_path):
     env = {**os.environ, "ODT_PROJECT_ROOT": str(root)}
     args = [sys.executable, "-m", "pipeline.train", "tracking=disabled", *TINY_RUN, "train.epochs=40"]
     shown = _run_on(True, args, env)
-    assert "train:   0%|" in shown and "| 0/80 [" in shown and "step/s" in shown, shown  # 30 samples, batch 16: 80 steps
+    assert "train:   0%|" in shown, shown
+    assert "| 0/80 [" in shown, shown
+    assert "step/s" in shown, shown  # 30 samples, batch 16: 80 steps
     quiet = _run_on(False, args, env)
-    assert quiet.strip() == "" and "%|" not in quiet, quiet  # a pipe: no bar, no \r spam (the done line is on stdout)
+    assert quiet.strip() == "", quiet
+    assert "%|" not in quiet, quiet  # a pipe: no bar, no \r spam (the done line is on stdout)
 
 
 def test_stage_modules_import_neither_torch_nor_mlflow():

@@ -48,15 +48,21 @@ def test_stage_run_nests_under_the_parent_with_params_metrics_tags(mlflow_store,
         run.log_metrics({"accuracy": 0.9, "note": "not a number"})
         run.log_artifact(tmp_path / "curve.csv", "train")
     child = client.get_run(run.run_id)
-    assert child.info.status == "FINISHED" and child.info.run_name == "train"
+    assert child.info.status == "FINISHED"
+    assert child.info.run_name == "train"
     tags = child.data.tags
     assert tags["mlflow.parentRunId"] == parent
-    assert tags["odt.stage"] == "train" and tags["dvc.stage"] == "train" and tags["dvc.exp"] == "exp-test"
+    assert tags["odt.stage"] == "train"
+    assert tags["dvc.stage"] == "train"
+    assert tags["dvc.exp"] == "exp-test"
     assert len(tags["git.commit"]) == 40
-    assert child.data.params["optimizer.lr"] == "0.007" and child.data.params["model.arch"] == "mlp"
+    assert child.data.params["optimizer.lr"] == "0.007"
+    assert child.data.params["model.arch"] == "mlp"
     history = client.get_metric_history(run.run_id, "loss")
-    assert len(history) == 1200 and sorted(m.step for m in history)[-1] == 1199
-    assert child.data.metrics["accuracy"] == 0.9 and "note" not in child.data.metrics
+    assert len(history) == 1200
+    assert sorted(m.step for m in history)[-1] == 1199
+    assert child.data.metrics["accuracy"] == 0.9
+    assert "note" not in child.data.metrics
     assert [f.path for f in client.list_artifacts(run.run_id, "train")] == ["train/curve.csv"]
     assert Path(child.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)
 
@@ -173,14 +179,18 @@ def test_pipeline_runs_are_found_through_a_local_mlflow_server(project, mlflow_s
 
         for stage in stages:
             tags = data(by_name[stage], "tags")
-            assert tags["mlflow.parentRunId"] == parent and tags["odt.stage"] == stage and len(tags["git.commit"]) == 40
+            assert tags["mlflow.parentRunId"] == parent
+            assert tags["odt.stage"] == stage
+            assert len(tags["git.commit"]) == 40
             assert by_name[stage]["info"]["status"] == "FINISHED"
             params = data(by_name[stage], "params")
-            assert params["data.user_samples"] == "100" and params["optimizer.lr"] == "0.003"
+            assert params["data.user_samples"] == "100"
+            assert params["optimizer.lr"] == "0.003"
         assert data(by_name["prepare"], "metrics")["n_user_train"] == 30
         ev = data(by_name["evaluate"], "metrics")
         assert ev["personalization_gain"] == pytest.approx(ev["user_holdout.personalized.accuracy"] - ev["user_holdout.base.accuracy"])
-        assert "forgetting" in ev and "global_test.personalized.accuracy" in ev
+        assert "forgetting" in ev
+        assert "global_test.personalized.accuracy" in ev
         # headline metrics on the pipeline run itself
         assert data(by_name["pipeline"], "metrics")["personalization_gain"] == pytest.approx(ev["personalization_gain"])
         train_id = by_name["train"]["info"]["run_id"]
@@ -211,7 +221,8 @@ def test_pipeline_runs_are_found_through_a_local_mlflow_server(project, mlflow_s
             assert {i["dataset"]["name"] for i in inputs} == wanted, stage
             assert all(i["dataset"]["digest"] and "data/prepare" in i["dataset"]["source"] for i in inputs)
             contexts = {t["value"] for i in inputs for t in i.get("tags", []) if t["key"] == "mlflow.data.context"}
-            assert contexts <= {"training", "evaluation"} and contexts
+            assert contexts <= {"training", "evaluation"}
+            assert contexts
         # the Models column: the exported model in the onnx flavor, with a signature
         export_id = by_name["export"]["info"]["run_id"]
         models = _get(f"{api}/logged-models/search", {"experiment_ids": [odt["experiment_id"]]})["models"]
@@ -219,7 +230,9 @@ def test_pipeline_runs_are_found_through_a_local_mlflow_server(project, mlflow_s
         assert len(exported) == 1
         local = mlflow.artifacts.download_artifacts(exported[0]["info"]["artifact_uri"], tracking_uri=mlflow_store)
         mlmodel = (Path(local) / "MLmodel").read_text()
-        assert "onnx:" in mlmodel and "signature:" in mlmodel and "inputs:" in mlmodel
+        assert "onnx:" in mlmodel
+        assert "signature:" in mlmodel
+        assert "inputs:" in mlmodel
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
         try:

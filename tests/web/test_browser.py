@@ -100,7 +100,8 @@ def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, b
 
     x, y = samples(bundle_root, "train")
     batches = run["batches"]
-    assert len(batches) == STEPS and all(len(b) == BATCH for b in batches)
+    assert len(batches) == STEPS
+    assert all(len(b) == BATCH for b in batches)
     python = PythonTrainer(bundle_root / "artifacts", LR)
     losses = python.train(x, y, batches)
     params = python.parameters
@@ -120,7 +121,8 @@ def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, b
     path = tmp_path / "model.odtdiff"
     download.value.save_as(path)
     diff = load_diff(path)
-    assert diff.num_steps == STEPS and diff.num_examples == len(y)
+    assert diff.num_steps == STEPS
+    assert diff.num_examples == len(y)
     restored = apply_diff(load_checkpoint(bundle_root / "artifacts" / "checkpoint"), path)
     for name, value in browser_params.items():
         # base + (trained - base) in float32: at most a rounding of the parameter's size away
@@ -137,7 +139,8 @@ def test_page_trains_as_odt_python_does_and_its_difference_applies(page, site, b
 def test_tampered_bundle_is_refused_with_a_message(page, site):
     assert _open(page, site + "?bundle=tampered/") is False
     message = page.inner_text("#error")
-    assert "sha256" in message and "refusing" in message, message
+    assert "sha256" in message, message
+    assert "refusing" in message, message
     assert page.is_disabled("#train")
 
 
@@ -153,8 +156,13 @@ def test_a_drawn_digit_becomes_an_8x8_sample_as_optdigits_counts_them(page, site
     page.select_option("#label", "1")
     page.click("#add")
     drawn = page.evaluate("() => window.odt.samples")
-    assert drawn["y"] == [1] and page.inner_text("#count") == "1"
+    assert drawn["y"] == [1]
+    assert page.inner_text("#count") == "1"
     image = np.asarray(drawn["x"][0]).reshape(8, 8)
-    assert np.all(image * 16 == np.round(image * 16)) and 0 <= image.min() and image.max() <= 1
-    assert np.all(image[:, 3:5].sum(axis=1) > 0) and not image[:, :2].any() and not image[:, 6:].any()
+    assert np.all(image * 16 == np.round(image * 16))
+    assert 0 <= image.min()
+    assert image.max() <= 1
+    assert np.all(image[:, 3:5].sum(axis=1) > 0)
+    assert not image[:, :2].any()
+    assert not image[:, 6:].any()
     assert not page.is_disabled("#train")

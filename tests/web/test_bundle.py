@@ -21,7 +21,8 @@ def _manifest(bundle):
 
 def test_models_are_the_artifact_files_byte_for_byte_with_their_sha256(bundle_root):
     manifest, blob = _manifest(bundle_root / "bundle")
-    assert manifest["binary"]["sha256"] == hashlib.sha256(blob).hexdigest() and manifest["binary"]["bytes"] == len(blob)
+    assert manifest["binary"]["sha256"] == hashlib.sha256(blob).hexdigest()
+    assert manifest["binary"]["bytes"] == len(blob)
     for role, entry in manifest["models"].items():
         original = (bundle_root / "artifacts" / entry["file"]).read_bytes()
         assert blob[entry["offset"] : entry["offset"] + entry["bytes"]] == original, role
@@ -79,6 +80,7 @@ def test_page_without_npm_ci_names_the_fix(bundle_root, tmp_path):
 
 def test_cli_writes_the_bundle_and_reports_a_missing_artifact(bundle_root, tmp_path, capsys):
     assert main(["export-web", str(bundle_root / "artifacts"), str(tmp_path / "out"), "--no-page"]) == 0
-    assert (tmp_path / "out" / MANIFEST).is_file() and (tmp_path / "out" / BINARY).is_file()
+    assert (tmp_path / "out" / MANIFEST).is_file()
+    assert (tmp_path / "out" / BINARY).is_file()
     assert main(["export-web", str(tmp_path), str(tmp_path / "out2"), "--no-page"]) == 2
     assert "training_model.onnx" in capsys.readouterr().err

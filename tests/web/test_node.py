@@ -52,7 +52,8 @@ def test_training_resumes_from_optimizer_state_as_python_does(bundle_root, tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     node = json.loads(run.stdout)
     losses = python.train(x, y, batches[5:])
-    assert node["step"] == 10 and node["learningRate"] == pytest.approx(0.02)
+    assert node["step"] == 10
+    assert node["learningRate"] == pytest.approx(0.02)
     np.testing.assert_allclose(node["losses"], losses, rtol=2e-5, atol=1e-6)
     for name, value in node["parameters"].items():
         np.testing.assert_allclose(np.asarray(value, np.float32).reshape(python.parameters[name].shape), python.parameters[name],
