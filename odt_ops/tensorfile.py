@@ -179,7 +179,7 @@ def _map_member(path: Path, info: zipfile.ZipInfo, entry: dict, error: type[OdtE
             f.seek(-(width + declared), os.SEEK_CUR)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             shape, fortran, dtype = read_header(f)
-        except Exception as exc:  # noqa: BLE001 - numpy tokenizes and literal_evals the header: ValueError,
+        except Exception as exc:
             # SyntaxError, tokenize.TokenError, RecursionError, MemoryError... all mean a damaged header
             raise error(f"{path}: tensor {name!r}: bad array header: {type(exc).__name__}: {str(exc)[:200]}") from None
         offset = f.tell()

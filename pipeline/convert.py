@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import onnx
@@ -38,7 +38,7 @@ from pipeline.config import MISSING, Section
 from pipeline.errors import DataError, ModelSourceError
 from pipeline.io import load_npz, write_digests, write_json
 from pipeline.paths import Paths
-from pipeline.tracking import NullRun
+from pipeline.tracking import NO_TRACKING, NullRun
 
 ZOO_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 SAMPLE = 8  # samples run through the model to check it fits the data
@@ -61,13 +61,13 @@ class ModelConfig(Section):
     null (not applicable, not defaults)."""
 
     source: ModelSource = MISSING
-    arch: Optional[Arch] = None
-    hidden: Optional[list[int]] = None
-    channels: Optional[list[int]] = None
-    kernel_size: Optional[int] = None
-    path: Optional[str] = None
-    torch_class: Optional[str] = None
-    torch_kwargs: Optional[dict[str, Any]] = None
+    arch: Arch | None = None
+    hidden: list[int] | None = None
+    channels: list[int] | None = None
+    kernel_size: int | None = None
+    path: str | None = None
+    torch_class: str | None = None
+    torch_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if self.source is ModelSource.builtin:
@@ -87,7 +87,7 @@ class ModelConfig(Section):
 CONFIG = {"model": ModelConfig}
 
 
-def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     model = odt_ops.load_model(source_model(cfg, paths))
     check_fits_data(model, cfg, paths)
     out = paths.out("convert")

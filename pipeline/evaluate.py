@@ -26,7 +26,7 @@ from pipeline.config import MISSING, Section
 from pipeline.errors import DataError
 from pipeline.io import flatten, write_json
 from pipeline.paths import Paths
-from pipeline.tracking import NullRun
+from pipeline.tracking import NO_TRACKING, NullRun
 
 SPLITS = ("user_holdout", "global_test")
 MODELS = ("base", "personalized")
@@ -48,7 +48,7 @@ def confusion(paths: Paths, model: str) -> Path:
     return paths.out("evaluate") / f"confusion_{model}.json"
 
 
-def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     gen = training.generated(paths)
     base_path = paths.pretrained_model
     ckpt = paths.trained_checkpoint

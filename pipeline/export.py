@@ -44,7 +44,7 @@ from pipeline.config import MISSING, Section
 from pipeline.errors import DataError, PipelineError
 from pipeline.io import nest, write_json
 from pipeline.paths import Paths
-from pipeline.tracking import NullRun
+from pipeline.tracking import NO_TRACKING, NullRun
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ExportCheckError(PipelineError):
     """The exported model does not compute what the engine computes."""
 
 
-def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     gen = training.generated(paths)
     ckpt = paths.trained_checkpoint
     if not ckpt.is_file():

@@ -32,13 +32,13 @@ from pipeline import config, selection
 from pipeline.errors import DataError
 from pipeline.io import write_digests, write_json
 from pipeline.paths import Paths
-from pipeline.tracking import NullRun
+from pipeline.tracking import NO_TRACKING, NullRun
 
 CONFIG = {"trainable": selection.TrainableConfig, "loss": config.LOSS}
 SUMMARY = "artifacts.json"  # what is trained (the models and checkpoints stay out of MLflow)
 
 
-def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     source = paths.pretrained_model
     if not source.is_file():
         raise DataError(f"{paths.show(source)}: pretrain's model not found; run the pipeline from the start (dvc repro)")

@@ -61,7 +61,7 @@ class Paths:
     redirects: Mapping[str, Path] = field(default_factory=dict)
 
     @classmethod
-    def default(cls) -> "Paths":
+    def default(cls) -> Paths:
         return cls(project_root())
 
     @property
@@ -79,7 +79,7 @@ class Paths:
             raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(stages())}")
         return Path(self.redirects.get(stage, self.data / stage))
 
-    def redirect(self, stage: str, directory: Path) -> "Paths":
+    def redirect(self, stage: str, directory: Path) -> Paths:
         return Paths(self.root, {**self.redirects, stage: Path(directory)})
 
     def split(self, name: str) -> Path:
@@ -106,7 +106,7 @@ class Paths:
         return self.out("pretrain") / "base.onnx"
 
     @property
-    def artifacts(self) -> "Artifacts":
+    def artifacts(self) -> Artifacts:
         """generate's output: the training artifacts."""
         return Artifacts(self.out("generate"))
 

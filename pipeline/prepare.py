@@ -26,7 +26,6 @@ import math
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
 
 import numpy as np
 
@@ -35,7 +34,7 @@ from pipeline.config import MISSING, Section
 from pipeline.errors import ConfigError, DataError
 from pipeline.io import save_npz, write_digests, write_json
 from pipeline.paths import SPLITS, Paths
-from pipeline.tracking import NullRun
+from pipeline.tracking import NO_TRACKING, NullRun
 
 
 class DataName(Enum):
@@ -80,11 +79,11 @@ class DataConfig(Section):
     user_samples: int = MISSING
     user_train_per_class: int = MISSING
     style: StyleConfig = field(default_factory=StyleConfig)
-    user_data: Optional[str] = MISSING
+    user_data: str | None = MISSING
     user_format: UserFormat = MISSING
     user_holdout_fraction: float = MISSING
     label_column: str = MISSING
-    pixel_max: Optional[float] = MISSING
+    pixel_max: float | None = MISSING
     ink: Ink = MISSING
 
     def check(self) -> None:
@@ -104,7 +103,7 @@ CONFIG = {"data": DataConfig}
 SUMMARY = "summary.json"  # counts, the user's style, the probe (the only file worth a copy in MLflow)
 
 
-def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     d = cfg.data
     rng = np.random.default_rng(cfg.seed)
     x, y = datasets.load_digits_demo()

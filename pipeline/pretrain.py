@@ -32,7 +32,7 @@ from pipeline.convert import ModelSource
 from pipeline.errors import DataError
 from pipeline.io import flatten, nest, verify_digest, write_json
 from pipeline.paths import Paths
-from pipeline.tracking import NullRun
+from pipeline.tracking import NO_TRACKING, NullRun
 
 EVAL_SPLITS = ("global_train", "global_test", "user_holdout")
 
@@ -67,7 +67,7 @@ def should_train(cfg) -> bool:
     return mode is PretrainMode.train and cfg.pretrain.epochs > 0
 
 
-def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     source = paths.base_model
     if not source.is_file():
         raise DataError(f"{paths.show(source)}: convert's model not found; run the pipeline from the start (dvc repro)")

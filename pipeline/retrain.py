@@ -48,7 +48,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from pipeline import promotion
 from pipeline.config.schema import MISSING, Section
@@ -73,7 +72,7 @@ class RetrainConfig(Section):
     state_dir: str = MISSING
     continue_from_promoted: bool = MISSING
     min_delta: float = MISSING
-    max_forgetting: Optional[float] = MISSING
+    max_forgetting: float | None = MISSING
     wait_seconds: float = MISSING
 
     def check(self) -> None:

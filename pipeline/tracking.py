@@ -116,6 +116,9 @@ class NullRun:
         return self.run_id is not None
 
 
+NO_TRACKING = NullRun()  # the stages' default tracker: every call a no-op (it holds no state)
+
+
 class StageRun(NullRun):
     """One MLflow run. Metrics are buffered and sent in batches (3.5 ms per single
     ``log_metric`` call on SQLite, 0.05 s per 1000 in a batch), params, tags and metrics

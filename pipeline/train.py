@@ -28,7 +28,6 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -40,7 +39,7 @@ from pipeline.config import MISSING, Section
 from pipeline.errors import ConfigError, DataError
 from pipeline.io import atomic_write_text, nest, sha256_file, write_json
 from pipeline.paths import Artifacts, Paths
-from pipeline.tracking import NullRun
+from pipeline.tracking import NO_TRACKING, NullRun
 
 TOTAL_STEPS = training.TOTAL_STEPS
 CURVE = "curve.csv"  # step, epoch, loss, lr (dvc plots; the PNG in MLflow)
@@ -53,9 +52,9 @@ class TrainConfig(Section):
     checkpoint_every: int = MISSING
     log_every: int = MISSING
     # continue from this checkpoint (e.g. data/promoted/checkpoint) instead of the base
-    init_checkpoint: Optional[str] = MISSING
+    init_checkpoint: str | None = MISSING
     # its SHA-256: the checkpoint is not a DVC dependency, so this param is its cache key
-    init_sha256: Optional[str] = MISSING
+    init_sha256: str | None = MISSING
 
     def check(self) -> None:
         self.need(self.epochs >= 1, "epochs", "an integer >= 1")
@@ -72,8 +71,8 @@ class DeviceConfig(Section):
     name: str = MISSING
     threads: int = MISSING
     batch_size: int = MISSING
-    max_steps: Optional[int] = MISSING
-    max_seconds: Optional[float] = MISSING
+    max_steps: int | None = MISSING
+    max_seconds: float | None = MISSING
 
     def check(self) -> None:
         self.need(self.threads >= 1, "threads", "an integer >= 1")
@@ -85,7 +84,7 @@ class DeviceConfig(Section):
 CONFIG = {"optimizer": training.OptimizerConfig, "train": TrainConfig, "device": DeviceConfig}
 
 
-def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     gen = training.generated(paths)
     split = training.load_split(paths, "user_train")
     training.check_fits(split, gen.eval_model, paths)

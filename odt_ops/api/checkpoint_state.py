@@ -21,7 +21,7 @@ Property = int | float | str
 class Parameter:
     """One parameter: ``data`` (get/set), ``grad`` (accumulated gradient, or None), ``requires_grad``."""
 
-    def __init__(self, state: "CheckpointState", name: str):
+    def __init__(self, state: CheckpointState, name: str):
         self._training, self.name = state.training_state, name
 
     @property
@@ -80,14 +80,14 @@ class _PairView:
         return list(self)
 
     def get(self, name: str, default=None):
-        return self[name] if name in self else default
+        return self[name] if name in self else default  # noqa: SIM401 - this is get() itself
 
 
 class Parameters(_PairView):
     """The state's parameters: ``state.parameters["fc.weight"].data``; iterating yields
     ``(name, Parameter)`` pairs, as ONNX Runtime's does."""
 
-    def __init__(self, state: "CheckpointState"):
+    def __init__(self, state: CheckpointState):
         self._state, self._training = state, state.training_state
 
     def _names(self) -> list[str]:
@@ -113,7 +113,7 @@ class Properties(_PairView):
     """The property bag: str keys, int/float/str values, saved with the checkpoint; iterating
     yields ``(key, value)`` pairs, as ONNX Runtime's does."""
 
-    def __init__(self, state: "CheckpointState"):
+    def __init__(self, state: CheckpointState):
         self._props = state.training_state.checkpoint.properties
 
     def _names(self) -> list[str]:
@@ -153,11 +153,11 @@ class CheckpointState:
         self.training_state = TrainingState(checkpoint, source)
 
     @classmethod
-    def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> "CheckpointState":
+    def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> CheckpointState:
         return cls(load_checkpoint(checkpoint_uri), str(checkpoint_uri))
 
     @classmethod
-    def save_checkpoint(cls, state: "CheckpointState", checkpoint_uri: str | os.PathLike, include_optimizer_state: bool = False) -> None:
+    def save_checkpoint(cls, state: CheckpointState, checkpoint_uri: str | os.PathLike, include_optimizer_state: bool = False) -> None:
         state.training_state.sync()
         _refuse_non_finite(state.training_state.checkpoint, checkpoint_uri, include_optimizer_state)
         save_checkpoint(state.training_state.checkpoint, checkpoint_uri, include_optimizer_state=include_optimizer_state)

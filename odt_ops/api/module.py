@@ -195,11 +195,11 @@ class Module:
         self.training_state.require_loaded()
 
     # ---- onnxruntime's Module surface ------------------------------------------------------
-    def train(self, mode: bool = True) -> "Module":
+    def train(self, mode: bool = True) -> Module:
         self.training = mode
         return self
 
-    def eval(self) -> "Module":
+    def eval(self) -> Module:
         if self.compiled_eval is None:
             raise InputError("this Module has no eval model; pass eval_model_uri to Module(...)")
         self.training = False

@@ -47,7 +47,7 @@ class FlatBuffers:
             self.views[name] = run.reshape(shape[::-1]).T if name in self.transposed else run.reshape(shape)
             offsets[dtype] += n
 
-    def like(self) -> "FlatBuffers":
+    def like(self) -> FlatBuffers:
         return FlatBuffers(self.specs, self.transposed)
 
     def flat(self) -> np.ndarray:

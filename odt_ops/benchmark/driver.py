@@ -7,6 +7,7 @@ Nothing here is timed; only workers time themselves (see workers/harness.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -140,17 +141,15 @@ def _batches(config: cfgs.Config, args: argparse.Namespace) -> list[int]:
 
 def machine_info() -> dict:
     cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as lines:
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root())
     # the odt workers run the engine as it is in the work tree, uncommitted changes included
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "odt_ops"], capture_output=True, text=True, cwd=repo_root())
     return {"platform": platform.platform(), "cpu": cpu or platform.processor(), "cores": os.cpu_count(),
             "python": sys.version.split()[0], "git_commit": commit.stdout.strip() or None,
             "engine_modified": bool(dirty.stdout.strip()) if commit.returncode == 0 else None,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "load_average_start": os.getloadavg()}
 
 

@@ -39,7 +39,7 @@ class Buffer:
             raise Malformed(f"its size, {self.size} bytes, is not a multiple of 4: the file is truncated or extended")
         return bytes(self.data[4:8])
 
-    def root(self) -> "Table":
+    def root(self) -> Table:
         return Table(self, self.target(0, "the root table offset"), "root table")
 
     def target(self, pos: int, what: str) -> int:
@@ -97,7 +97,7 @@ class Table:
         pos = self._field(index, 4, name)
         return None if pos is None else self.buf.target(pos, f"{self.what}.{name}")
 
-    def table(self, index: int, name: str) -> "Table | None":
+    def table(self, index: int, name: str) -> Table | None:
         pos = self._ref(index, name)
         return None if pos is None else Table(self.buf, pos, f"{self.what}.{name}")
 
@@ -115,7 +115,7 @@ class Table:
             raise Malformed(f"{self.what}.{name}: {n} elements of {elem_size} bytes run past the {self.buf.size}-byte buffer")
         return pos + 4, n
 
-    def tables(self, index: int, name: str) -> list["Table"] | None:
+    def tables(self, index: int, name: str) -> list[Table] | None:
         vec = self._vector(index, name, 4)
         if vec is None:
             return None

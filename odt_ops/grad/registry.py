@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -72,7 +72,7 @@ def registered_gradients() -> list[str]:
     return sorted(op if not domain else f"{domain}::{op}" for domain, op in _GRADIENTS)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _spec_defaults(domain: str, op_type: str, opset: int) -> dict[str, Any]:
     try:
         schema = onnx.defs.get_schema(op_type, opset, domain)
@@ -81,7 +81,7 @@ def _spec_defaults(domain: str, op_type: str, opset: int) -> dict[str, Any]:
     return {name: attribute_value(a.default_value) for name, a in schema.attributes.items() if a.default_value.name}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _max_inputs(domain: str, op_type: str, opset: int) -> int | None:
     """How many inputs the schema allows; None when variadic or unknown."""
     try:
@@ -91,7 +91,7 @@ def _max_inputs(domain: str, op_type: str, opset: int) -> int | None:
     return None if schema.max_input > 64 else schema.max_input
 
 
-@lru_cache(maxsize=None)
+@cache
 def _output_names(domain: str, op_type: str, opset: int) -> tuple[str, ...]:
     try:
         return tuple(o.name for o in onnx.defs.get_schema(op_type, opset, domain).outputs)

@@ -2,6 +2,8 @@
 float8e8m0 rounding modes and numeric strings, as the spec's tables say."""
 from __future__ import annotations
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -10,10 +12,8 @@ from odt_ops.kernels.registry import kernel
 
 _DTYPES: dict[int, np.dtype] = {}
 for _code in onnx.TensorProto.DataType.values():
-    try:
+    with contextlib.suppress(KeyError, ValueError, TypeError):  # UNDEFINED has no numpy dtype
         _DTYPES[_code] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(_code))
-    except (KeyError, ValueError, TypeError):  # UNDEFINED
-        pass
 
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 # the float8 types `saturate` applies to (clamping to +-max instead of inf/NaN)

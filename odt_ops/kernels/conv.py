@@ -144,7 +144,7 @@ def _conv_gemm(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGe
     # flat columns trade the im2col copy's N*C*taps*rows short rows for a crop of the output's
     # N*M*rows short rows (and a few more GEMM columns): worth it when M is well below C*taps
     rowwise = keeps_rows(X, geo)
-    flat = unit and len(geo.kernel) > 1 and 2 * M <= C * taps and not rowwise
+    flat = unit and len(geo.kernel) > 1 and C * taps >= 2 * M and not rowwise
     if rowwise:
         windows, grid = row_windows(X, geo), (math.prod(geo.out),)
     elif flat:
@@ -199,7 +199,7 @@ def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: Win
     short spatial rows times a broadcast scalar, 1.5-3x slower. A channel multiplier (M/group
     outputs per input channel) repeats the input channels first."""
     N, M = X.shape[0], W.shape[0]
-    if M != group:
+    if group != M:
         X = np.repeat(X, M // group, axis=1)
     padded = np.zeros((N, *geo.reach, M), dtype=X.dtype)
     pad_into(np.moveaxis(padded, -1, 1), X, geo)  # through a channels-first view of the canvas

@@ -264,11 +264,11 @@ def softplus(X):
 
 
 @kernel("Shrink", since=9)
-def shrink(input, *, bias=0.0, lambd=0.5):  # noqa: A002 - the spec's name
+def shrink(input, *, bias=0.0, lambd=0.5):
     X = input
     # compared and shifted as the float attributes are, then brought back to X's type
     # (integer inputs too: the spec allows every numeric type)
-    shifted = np.where(X < -lambd, X + bias, np.where(X > lambd, X - bias, 0))
+    shifted = np.where(-lambd > X, X + bias, np.where(lambd < X, X - bias, 0))
     return (shifted.astype(X.dtype, copy=False),)
 
 
@@ -320,7 +320,7 @@ def prelu(X, slope):
 @kernel("ThresholdedRelu", since=10)
 @_half_in_float32
 def thresholded_relu(X, *, alpha=1.0):
-    return (np.where(X > _s(X, alpha), X, _s(X, 0)),)
+    return (np.where(_s(X, alpha) < X, X, _s(X, 0)),)
 
 
 def _elu(X: np.ndarray, alpha: float, divisor: float = 1.0) -> np.ndarray:
@@ -417,14 +417,14 @@ def _clip(X: np.ndarray, lo, hi) -> np.ndarray:
 
 
 @kernel("Clip", since=6)
-def clip_6(input, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):  # noqa: A002
+def clip_6(input, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):
     info = np.finfo(input.dtype)  # the float32 defaults overflow narrower types
     lo, hi = (_s(input, np.clip(v, float(info.min), float(info.max))) for v in (min, max))
     return (_clip(input, lo, hi),)
 
 
 @kernel("Clip", since=11)
-def clip(input, min=None, max=None):  # noqa: A002
+def clip(input, min=None, max=None):
     return (_clip(input, min, max),)
 
 
@@ -536,7 +536,7 @@ def is_inf(X, *, detect_negative=1, detect_positive=1):
     if detect_negative and detect_positive:
         return (np.isinf(X),)
     if detect_positive:
-        return (X == np.inf,)
+        return (np.inf == X,)
     if detect_negative:
-        return (X == -np.inf,)
+        return (-np.inf == X,)
     return (np.zeros(X.shape, dtype=bool),)

@@ -89,7 +89,7 @@ def _weighted_loss(picked_log_prob, labels, keep, weight, reduction: str) -> np.
 
 
 @kernel("NegativeLogLikelihoodLoss", since=12)
-def negative_log_likelihood_loss(input, target, weight=None, *, ignore_index=None, reduction="mean"):  # noqa: A002
+def negative_log_likelihood_loss(input, target, weight=None, *, ignore_index=None, reduction="mean"):
     labels, keep = _class_index(input, target, ignore_index)
     return (_weighted_loss(_pick(input, labels), labels, keep, weight, reduction),)
 

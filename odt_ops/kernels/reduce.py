@@ -391,13 +391,13 @@ def top_k_10(X, K, *, axis=-1):
 
 
 @kernel("TopK", since=11)
-def top_k(X, K, *, axis=-1, largest=1, sorted=1):  # noqa: A002 - the spec's name
+def top_k(X, K, *, axis=-1, largest=1, sorted=1):
     # unsorted output order is undefined by the spec: sorted is a valid answer
     return _top_k(X, _scalar_int(K, "TopK's K"), axis, largest)
 
 
 @kernel("LpNormalization", since=1)
-def lp_normalization(input, *, axis=-1, p=2):  # noqa: A002
+def lp_normalization(input, *, axis=-1, p=2):
     if p not in (1, 2):
         raise ValueError(f"LpNormalization is defined for p = 1 or 2, got p={p}")
     X, axis = input, _normalize_axis(axis, input.ndim)
@@ -466,30 +466,30 @@ def _coerced_2d(fn: Callable, x: np.ndarray, axis: int) -> tuple[np.ndarray]:
 
 
 @kernel("Softmax", since=1)
-def softmax_1(input, *, axis=1):  # noqa: A002 - the spec's name
+def softmax_1(input, *, axis=1):
     return _coerced_2d(_softmax, input, axis)
 
 
 @kernel("Softmax", since=13)
-def softmax(input, *, axis=-1):  # noqa: A002
+def softmax(input, *, axis=-1):
     return _per_axis(_softmax, input, axis)
 
 
 @kernel("LogSoftmax", since=1)
-def log_softmax_1(input, *, axis=1):  # noqa: A002
+def log_softmax_1(input, *, axis=1):
     return _coerced_2d(log_softmax_along, input, axis)
 
 
 @kernel("LogSoftmax", since=13)
-def log_softmax(input, *, axis=-1):  # noqa: A002
+def log_softmax(input, *, axis=-1):
     return _per_axis(log_softmax_along, input, axis)
 
 
 @kernel("Hardmax", since=1)
-def hardmax_1(input, *, axis=1):  # noqa: A002
+def hardmax_1(input, *, axis=1):
     return _coerced_2d(_hardmax, input, axis)
 
 
 @kernel("Hardmax", since=13)
-def hardmax(input, *, axis=-1):  # noqa: A002
+def hardmax(input, *, axis=-1):
     return _per_axis(_hardmax, input, axis)

@@ -12,7 +12,7 @@ from odt_ops.errors import ArtifactError
 from odt_ops.ir.builder import GraphBuilder
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET
 
-_CURRENT: contextvars.ContextVar[tuple[onnx.ModelProto, GraphBuilder, "ModelAccessor"] | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[tuple[onnx.ModelProto, GraphBuilder, ModelAccessor] | None] = contextvars.ContextVar(
     "onnxblock_base", default=None)
 
 

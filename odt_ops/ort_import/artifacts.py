@@ -312,7 +312,7 @@ def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
 def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     try:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # noqa: BLE001 - inference is a help here: without it only the declared types are known
+    except Exception:
         inferred = model
     g = inferred.graph
     return {v.name: v.type for v in (*g.value_info, *g.output, *g.input) if v.type.HasField("tensor_type")

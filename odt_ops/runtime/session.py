@@ -24,7 +24,7 @@ class ValueSpec:
     source: str | None = field(default=None, compare=False)  # the model file, named in errors
 
     @classmethod
-    def of(cls, value: onnx.ValueInfoProto, source: str | None = None) -> "ValueSpec":
+    def of(cls, value: onnx.ValueInfoProto, source: str | None = None) -> ValueSpec:
         tt = value.type.tensor_type
         try:
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None

@@ -168,14 +168,14 @@ def test_optimizer_matches_its_graph_on_onnxruntime(mlp_artifacts):
     module(x, y)
     proto = onnx.load(mlp_artifacts / "optimizer_model.onnx")
     names = [i.name for i in proto.graph.input]
-    before = {n: state.parameters[n].data.copy() for n in state.parameters.keys()}
+    before = {n: state.parameters[n].data.copy() for n in state.parameters.keys()}  # noqa: SIM118 - iterating gives (name, value), as ORT's
     moments = {n: [s.copy() for s in state.checkpoint.optimizer.states[n].values()] for n in before}
     feeds = {"learning_rate": np.array(0.01, np.float32), "step": np.array(3, np.int64)}
     meta = [p for p in __import__("odt_ops.meta", fromlist=["x"]).read_optimizer(proto)["parameters"]]
     for p in meta:
         feeds[p["value"]] = before[p["name"]]
         feeds[p["grad"]] = state.parameters[p["name"]].grad.copy()
-        for (sname, sinput), value in zip(p["states"].items(), moments[p["name"]]):
+        for (_state_name, sinput), value in zip(p["states"].items(), moments[p["name"]]):
             feeds[sinput] = value
     assert set(feeds) == set(names)
     outs = dict(zip([o.name for o in proto.graph.output], ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)))

@@ -41,10 +41,10 @@ from onnx import numpy_helper
 
 torch = pytest.importorskip("torch", reason="PyTorch (the dev extra) is the oracle here")
 
-from odt_ops import artifacts  # noqa: E402
-from odt_ops.api import CheckpointState, Module, Optimizer  # noqa: E402
-from odt_ops.onnxblock import optim  # noqa: E402
-from tests.odt_ops.architectures import ARCHITECTURES, Architecture  # noqa: E402
+from odt_ops import artifacts
+from odt_ops.api import CheckpointState, Module, Optimizer
+from odt_ops.onnxblock import optim
+from tests.odt_ops.architectures import ARCHITECTURES, Architecture
 
 nn = torch.nn
 STEPS = 20

@@ -91,7 +91,7 @@ def test_a_member_declaring_more_bytes_than_the_file_holds_is_refused(original):
 
 
 def _npy(shape: tuple[int, ...], body: bytes) -> bytes:
-    header = "{'descr': '<f4', 'fortran_order': False, 'shape': %r, }" % (shape,)
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape!r}, }}"
     header += " " * (63 - (10 + len(header)) % 64) + "\n"
     return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body
 

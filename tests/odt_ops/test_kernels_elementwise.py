@@ -140,7 +140,8 @@ FLOAT_OPS = {
     "Ceil": lambda X: run("Ceil", X),
     "Round": lambda X: run("Round", X),
     "CastLike": lambda X: run("CastLike", X.astype(np.float64), X[:0]),
-    **{op: (lambda op: lambda X: run(op, X))(op) for op in ("Tan", "Asin", "Acos", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh")},
+    # the outer lambda binds each op
+    **{op: (lambda op: lambda X: run(op, X))(op) for op in ("Tan", "Asin", "Acos", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh")},  # noqa: B023
     "Shrink": lambda X: run("Shrink", X, bias=0.5, lambd=1.0),
     "LpNormalization": lambda X: run("LpNormalization", X, axis=1, p=1),
 }

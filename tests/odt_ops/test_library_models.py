@@ -26,11 +26,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch (the dev extra) is the oracle here")
 pytest.importorskip("transformers", reason="transformers (the dev extra) builds the test set's models")
 
-from odt_ops import artifacts  # noqa: E402
-from odt_ops.api import CheckpointState, Module, Optimizer  # noqa: E402
-from odt_ops.onnxblock import optim  # noqa: E402
-from tests.odt_ops.library_models import MODELS, LibraryModel  # noqa: E402
-from tests.odt_ops.test_architectures import grad, layouts, match_parameters, value  # noqa: E402
+from odt_ops import artifacts
+from odt_ops.api import CheckpointState, Module, Optimizer
+from odt_ops.onnxblock import optim
+from tests.odt_ops.library_models import MODELS, LibraryModel
+from tests.odt_ops.test_architectures import grad, layouts, match_parameters, value
 
 EXPORT_BATCH, TRAIN_BATCH = 2, 3  # trained at another batch than the export's: the batch axis is dynamic
 STEPS, LR, WEIGHT_DECAY, EPS = 4, 3e-3, 0.01, 1e-6

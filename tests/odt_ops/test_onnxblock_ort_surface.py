@@ -354,6 +354,5 @@ def test_a_training_block_returning_no_name_says_what_it_takes(net_and_data):
             return ()
 
     base = _export(net, x)
-    with pytest.raises(ArtifactError, match=r"must return the loss's name, or \(loss, \*extra outputs\)"):
-        with onnxblock.base(base):
-            Nothing()("logits")
+    with pytest.raises(ArtifactError, match=r"must return the loss's name, or \(loss, \*extra outputs\)"), onnxblock.base(base):
+        Nothing()("logits")

@@ -290,7 +290,7 @@ def test_module_leaves_gradients_untouched_when_the_loss_diverges(tmp_path):
     module = Module(directory / "training_model.onnx", state)
     x, y = classification_data(8)
     module(x, y)
-    grads = {n: state.parameters[n].grad.copy() for n in state.parameters.keys()}
+    grads = {n: state.parameters[n].grad.copy() for n in state.parameters.keys()}  # noqa: SIM118 - iterating gives (name, value), as ORT's
     module.lazy_reset_grad()
     x[0, 0] = np.inf
     with pytest.raises(TrainingDivergedError):
@@ -349,7 +349,7 @@ def test_a_fusion_keeps_every_value_the_caller_asks_for(outputs, fused):
 
 def test_fusions_can_be_named_or_switched_off(monkeypatch):
     constants = {"axes": np.array([0], np.int64)}
-    squeezes = lambda plan: sum(s.node.op_type == "Squeeze" for s in plan.steps)  # noqa: E731
+    squeezes = lambda plan: sum(s.node.op_type == "Squeeze" for s in plan.steps)
     assert squeezes(Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], fuse=["stacked_slices"])) == 1
     assert squeezes(Plan(_reduce_squeeze_graph(), {"": 21}, constants, ["x"], ["y"], fuse=["reduce_squeeze"])) == 0
     monkeypatch.setenv("ODT_FUSE", "0")
@@ -402,7 +402,7 @@ def test_weights_stored_transposed_train_exactly_as_row_major_ones(tmp_path, mon
     monkeypatch.setattr(module_api, "_transposed_weights", lambda graph, names: frozenset())
     plain, plain_state = _train_three_steps(tmp_path, x, y)
     assert not plain.params.transposed
-    for name in plain_state.parameters.keys():
+    for name in plain_state.parameters.keys():  # noqa: SIM118 - iterating gives (name, value), as ORT's
         close = dict(rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(state.parameters[name].data, plain_state.parameters[name].data, **close)
         if plain_state.parameters[name].grad is not None:
@@ -414,7 +414,7 @@ def test_weights_stored_transposed_train_exactly_as_row_major_ones(tmp_path, mon
     np.testing.assert_array_equal(module.get_contiguous_parameters(), flat[::-1])
     CheckpointState.save_checkpoint(state, tmp_path / "saved", include_optimizer_state=True)
     again = CheckpointState.load_checkpoint(tmp_path / "saved")
-    for name in state.parameters.keys():
+    for name in state.parameters.keys():  # noqa: SIM118 - iterating gives (name, value), as ORT's
         np.testing.assert_array_equal(again.parameters[name].data, state.parameters[name].data, err_msg=name)
 
 

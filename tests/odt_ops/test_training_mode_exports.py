@@ -12,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch (the dev extra) is the oracle here")
 
-from odt_ops import artifacts  # noqa: E402
-from odt_ops.api import CheckpointState, Module  # noqa: E402
+from odt_ops import artifacts
+from odt_ops.api import CheckpointState, Module
 
 
 class ConvBnDropout(torch.nn.Module):

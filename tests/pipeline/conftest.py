@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("hydra")
 pytest.importorskip("omegaconf")
 
-from pipeline import config, prepare  # noqa: E402
-from pipeline.paths import Paths  # noqa: E402
-from pipeline.paths import stages as pipeline_stages  # noqa: E402
+from pipeline import config, prepare
+from pipeline.paths import Paths
+from pipeline.paths import stages as pipeline_stages
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["data.user_samples=100", "data.user_train_per_class=3"]

@@ -61,7 +61,7 @@ def test_builtin_conversion_is_seeded(paths, tmp_path):
     shutil.copytree(paths.out("prepare"), other.out("prepare"))
     convert.run(load_cfg("model=cnn"), paths)
     convert.run(load_cfg("model=cnn"), other)
-    digest = lambda p: hashlib.sha256(p.base_model.read_bytes()).hexdigest()  # noqa: E731
+    digest = lambda p: hashlib.sha256(p.base_model.read_bytes()).hexdigest()
     assert digest(paths) == digest(other)
     convert.run(load_cfg("model=cnn", "seed=3"), other)
     assert digest(paths) != digest(other)

@@ -32,7 +32,7 @@ def test_tiny_run_is_deterministic_and_well_formed(tmp_path):
         x, y = data["x"], data["y"]
         assert x.dtype == np.float32
         assert x.shape[1:] == (1, 8, 8)
-        assert 0 <= x.min()
+        assert x.min() >= 0
         assert x.max() <= 1
         assert y.dtype == np.int64
         assert len(x) == len(y)

@@ -94,10 +94,8 @@ def test_promote_swaps_a_symlink_and_keeps_a_few_versions(tmp_path):
 
 def test_job_lock_is_exclusive_and_names_the_holder(tmp_path):
     lock = tmp_path / "lock"
-    with promotion.job_lock(lock):
-        with pytest.raises(promotion.Busy, match=rf"{lock} \(pid {os.getpid()}, started "):
-            with promotion.job_lock(lock, wait=0.2):
-                pass
+    with promotion.job_lock(lock), pytest.raises(promotion.Busy, match=rf"{lock} \(pid {os.getpid()}, started "), promotion.job_lock(lock, wait=0.2):
+        pass
     with promotion.job_lock(lock):  # released
         pass
 

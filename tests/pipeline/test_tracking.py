@@ -73,9 +73,8 @@ def test_failed_stage_marks_its_run_and_the_parent_failed(mlflow_store, monkeypa
     experiment_id = client.create_experiment("odt", artifact_location=tracking.artifact_location(mlflow_store))
     parent = client.create_run(experiment_id, run_name="pipeline").info.run_id
     monkeypatch.setenv("ODT_PARENT_RUN_ID", parent)
-    with pytest.raises(RuntimeError):
-        with tracking.stage_run("convert", load_cfg("tracking=mlflow")) as run:
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), tracking.stage_run("convert", load_cfg("tracking=mlflow")) as run:
+        raise RuntimeError("boom")
     assert client.get_run(run.run_id).info.status == "FAILED"
     assert client.get_run(parent).info.status == "FAILED"
 
@@ -97,9 +96,9 @@ def test_experiment_gets_an_explicit_artifact_location(tmp_path, monkeypatch, ml
 
 def test_unknown_parent_is_a_clean_error(mlflow_store, monkeypatch):
     monkeypatch.setenv("ODT_PARENT_RUN_ID", "0123456789abcdef0123456789abcdef")
-    with pytest.raises(TrackingError, match="ODT_PARENT_RUN_ID=0123456789abcdef0123456789abcdef: no such run"):
-        with tracking.stage_run("prepare", load_cfg("tracking=mlflow")):
-            pass
+    with pytest.raises(TrackingError, match="ODT_PARENT_RUN_ID=0123456789abcdef0123456789abcdef: no such run"), \
+            tracking.stage_run("prepare", load_cfg("tracking=mlflow")):
+        pass
 
 
 def test_disabled_tracking_touches_no_store(tmp_path, monkeypatch):

@@ -160,7 +160,7 @@ def test_a_drawn_digit_becomes_an_8x8_sample_as_optdigits_counts_them(page, site
     assert page.inner_text("#count") == "1"
     image = np.asarray(drawn["x"][0]).reshape(8, 8)
     assert np.all(image * 16 == np.round(image * 16))
-    assert 0 <= image.min()
+    assert image.min() >= 0
     assert image.max() <= 1
     assert np.all(image[:, 3:5].sum(axis=1) > 0)
     assert not image[:, :2].any()

@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 RESULT_MARK = "ODT_BENCH_RESULT "
 N_BATCHES = 4  # distinct random batches, cycled, so no peer trains on one cached batch
@@ -77,7 +78,7 @@ def main(t0: float, import_runtime: Callable[[], dict], load: Callable[[dict], o
             print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         return 0
-    job = json.loads(open(sys.argv[1]).read())
+    job = json.loads(Path(sys.argv[1]).read_text())
     result: dict = {"peer": job["peer"], "config": job["config"]["name"], "batch": job.get("batch"), "pid": os.getpid(),
                     "python": sys.version.split()[0], "executable": sys.executable}
     try:

@@ -6,7 +6,7 @@ import time
 
 T0 = time.perf_counter()
 
-import harness  # noqa: E402  (this directory; the worker runs by path)
+import harness
 
 
 def import_runtime() -> dict:

@@ -264,7 +264,7 @@ def gelu_grad(ctx, dY):
     """exact: dX = dY * (Phi(X) + X * phi(X));
     tanh: dX = dY * (0.5 (1 + t) + 0.5 X (1 - t^2) k (1 + 3c X^2)), t = tanh(k (X + c X^3))"""
     b, X = ctx.b, ctx.inputs[0]
-    c = lambda v: ctx.const(v, like=X)  # noqa: E731
+    c = lambda v: ctx.const(v, like=X)
     x2 = b.Mul(X, X)
     if ctx.attrs["approximate"] == "tanh":
         k, a = math.sqrt(2 / math.pi), 0.044715

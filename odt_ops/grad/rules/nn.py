@@ -193,7 +193,7 @@ def group_normalization_grad(ctx, dY):
         raise ctx.fail("the num_groups attribute is missing")
     per_group = ctx.opset < 21  # opset 18-20: one scale and bias per group
     rank = ctx.rank(X)
-    grouped = lambda v: b.Reshape(v, ctx.ints([0, groups, -1]))  # noqa: E731
+    grouped = lambda v: b.Reshape(v, ctx.ints([0, groups, -1]))
     last = ctx.ints([2])
     xhat, inv_std = _standardize(ctx, grouped(X), last, ctx.attrs["epsilon"])
     if per_group:
@@ -405,7 +405,7 @@ def pad_grad(ctx, dY):
     padded copies scattered back to their sources"""
     b, (X, pads, _value, axes) = ctx.b, ctx.inputs[:4]
     if ctx.attrs["mode"] != "constant":
-        move = lambda positions: b.Pad(positions, pads, "", axes, mode=ctx.attrs["mode"])  # noqa: E731
+        move = lambda positions: b.Pad(positions, pads, "", axes, mode=ctx.attrs["mode"])
         return (through_positions(ctx, dY, move, duplicates=True),)
     static = ctx.value(pads)
     if static is not None and (static >= 0).all():

@@ -93,7 +93,7 @@ def _row_major(ctx, indices: str, spatial: tuple[int, ...]) -> str:
     """Indices in column-major order within each (n, c) plane (storage_order=1) made row-major.
     Indices are non-negative, so a % m is a - (a / m) * m with Div truncating."""
     b = ctx.b
-    mod = lambda a, m: b.Sub(a, b.Mul(b.Div(a, ctx.ints(m)), ctx.ints(m)))  # noqa: E731
+    mod = lambda a, m: b.Sub(a, b.Mul(b.Div(a, ctx.ints(m)), ctx.ints(m)))
     within = mod(indices, math.prod(spatial))
     row = None
     for axis, n in enumerate(spatial):

@@ -92,7 +92,7 @@ def slice_grad(ctx, dY):
     if pads is not None:
         begin, end, axes_ = pads
         return (b.Pad(dY, ctx.ints(begin + end), "", ctx.ints(axes_)),)
-    move = lambda positions: b.Slice(positions, starts, ends, axes or None, steps or None)  # noqa: E731
+    move = lambda positions: b.Slice(positions, starts, ends, axes or None, steps or None)
     return (through_positions(ctx, dY, move, duplicates=False),)
 
 
@@ -267,7 +267,7 @@ def compress_grad(ctx, dY):
     """dX = dY scattered back to the kept positions, zeros elsewhere"""
     b, (_x, condition) = ctx.b, ctx.inputs[:2]
     axis = ctx.attrs.get("axis")
-    move = lambda positions: b.Compress(positions, condition, axis=axis)  # noqa: E731
+    move = lambda positions: b.Compress(positions, condition, axis=axis)
     return through_positions(ctx, dY, move, duplicates=False), None
 
 

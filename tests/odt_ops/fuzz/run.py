@@ -84,7 +84,7 @@ class Fuzzer:
             with watching() as opened:
                 try:
                     use(self, case)
-                except Exception as exc:  # noqa: BLE001 - classifying what escapes is the point
+                except Exception as exc:
                     error = exc
                     if self.trace:
                         import traceback
