@@ -115,3 +115,12 @@ def not_found(error: type[OdtError]) -> type[OdtError]:
     """The file-not-found form of ``error`` (itself when it has none)."""
     return {ModelLoadError: ModelFileNotFoundError, CheckpointError: CheckpointFileNotFoundError,
             ModelDiffError: ModelDiffFileNotFoundError}.get(error, error)
+
+
+class FederationSettingsError(ArgumentError):
+    """A federation's settings are out of range; ``problems`` lists each (key, value,
+    what is expected), keys as conf/federated and the Flower run config name them."""
+
+    def __init__(self, problems: list[tuple[str, object, str]]):
+        super().__init__("federation settings: " + "; ".join(f"{k}={v!r} (expected {why})" for k, v, why in problems))
+        self.problems = problems

@@ -45,8 +45,8 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
     pool = fed.client_pool(training.load_split(paths, "global_train"), test)
     population = fed.Population.from_config(cfg, pool)
     fraction = min(1.0, sampled / clients)
-    settings = FederationSettings(rounds=rounds, num_clients=clients, fraction_train=fraction, fraction_evaluate=fraction,
-                                  min_train_clients=sampled, min_evaluate_clients=sampled, local_epochs=3, learning_rate=0.005,
+    settings = FederationSettings(rounds=rounds, clients=clients, fraction_train=fraction, fraction_evaluate=fraction,
+                                  min_train_clients=sampled, min_evaluate_clients=sampled, local_epochs=3, lr=0.005,
                                   seed=0, round_timeout=3600, connect_timeout=600)
     me = psutil.Process()
     peak = {"driver": 0, "total": 0}

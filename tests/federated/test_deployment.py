@@ -43,7 +43,7 @@ def finish(result):
 
 
 client = client_app(ART, data)
-server = server_app(ART, FederationSettings(rounds=2, num_clients=3, learning_rate=0.1, seed=1), on_finish=finish)
+server = server_app(ART, FederationSettings(rounds=2, clients=3, lr=0.1, seed=1), on_finish=finish)
 '''
 PYPROJECT = '''\
 [build-system]
