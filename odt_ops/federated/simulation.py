@@ -26,14 +26,26 @@ def simulate(artifacts: str | os.PathLike, data: DataFn, settings: FederationSet
     server = server_app(artifacts, settings, evaluate_fn=evaluate_fn, initial=initial, on_finish=lambda r: box.setdefault("result", r),
                         progress=progress)
     client = client_app(artifacts, data)
-    cpus = int(num_cpus or os.cpu_count() or 1)
-    backend_config = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                      "init_args": {"num_cpus": cpus, "num_gpus": 0, "logging_level": "ERROR", "log_to_driver": bool(verbose)}}
+    backend_config = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": ray_init_args(num_cpus, verbose)}
     with quiet_flower(verbose), single_threaded_workers():
         run_simulation(server_app=server, client_app=client, num_supernodes=int(settings.clients), backend_config=backend_config)
     if "result" not in box:
         raise RuntimeError("the Flower simulation ended without a result (see the log above)")
     return box["result"]
+
+
+def ray_init_args(num_cpus: int | None = None, verbose: bool = False) -> dict:
+    """``ray.init``'s options for a simulation on this machine: as many actors (one client
+    each at a time) as ``num_cpus``, no dashboard (Flower's default too), the workers' logs
+    kept off the terminal unless verbose, and an object store sized for model
+    parameters (Ray's default reserves 30% of memory): its shared memory is set up at
+    start, so a small one starts sooner and leaves the memory to the clients."""
+    cpus = int(num_cpus or os.cpu_count() or 1)
+    return {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False, "logging_level": "ERROR", "log_to_driver": bool(verbose),
+            "object_store_memory": OBJECT_STORE_BYTES}
+
+
+OBJECT_STORE_BYTES = 128 * 2**20  # Ray's minimum is 75 MiB; a round's messages are kilobytes to megabytes
 
 
 @contextlib.contextmanager
