@@ -80,6 +80,6 @@ def main(grid: Grid, context: Context) -> None:
     gen = paths.artifacts.directory
     log.info("federation of %d clients, %d rounds, %s, artifacts %s", settings.clients, settings.rounds, settings.strategy, gen)
     result = run_federation(grid, gen, settings, evaluate_fn=central_evaluation(gen, test.x, population.targets(test.y)),
-                            progress=lambda rec, s: log.info("%s", describe_round(rec, s)))
+                            progress=lambda rec, s: log.info("%s", describe_round(rec, s)), context=context)
     log.info("done in %.1f s: server's test accuracy %s", result.seconds,
              f"{result.rounds[-1].server_eval.get('accuracy', float('nan')):.3f}" if result.rounds else "n/a")

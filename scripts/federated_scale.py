@@ -1,7 +1,7 @@
-"""Scale of a simulated federation: time per round and peak memory at 10, 100 and 1,000 clients,
-10 of them sampled per round (training and evaluation), on Flower's simulation engine.
+"""Scale of a simulated federation: time per round and peak memory at 100, 1,000 and 10,000
+clients, 100 of them sampled per round (training and evaluation), on Flower's simulation engine.
 
-    python scripts/federated_scale.py                 # 10 100 1000 clients, 3 rounds each; prints a table
+    python scripts/federated_scale.py                 # 100 1000 10000 clients, 3 rounds each; prints a table
     python scripts/federated_scale.py --clients 100 --rounds 5 --json scale.json
 
 Each size runs in a fresh process (its own Ray instance) on the demo's artifacts (the MLP
@@ -9,7 +9,9 @@ Each size runs in a fresh process (its own Ray instance) on the demo's artifacts
 (users made on demand from (seed, client id): no process ever holds every client's data).
 Reported per size: the one-time query of every node's client id (it includes Ray's start),
 the mean time of rounds 2.. (round 1 starts the workers' engines), and peak resident memory:
-the driver's (server + simulation engine) and the sum over the driver and its Ray processes.
+the driver's (server + simulation engine), the largest Ray worker's (the ClientApp actors,
+each playing one sampled client after another) and the sum over the driver and its Ray
+processes. Flat in the population size is the claim this measures.
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     import psutil
 
-    from odt_ops.federated.flower import FederationSettings, central_evaluation, simulate
-    from pipeline import config, convert, generate, prepare, pretrain, training
-    from pipeline import federate as fed
+    from odt_ops.federated.settings import FederationSettings
+    from odt_ops.federated.simulation import simulate
+    from odt_ops.federated.task import central_evaluation
+    from pipeline import config, convert, generate, prepare, pretrain, training, users
     from pipeline.paths import Paths
 
     cfg = config.load(["tracking=disabled"], root=ROOT)
@@ -42,14 +45,13 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
         for stage in (prepare, convert, pretrain, generate):
             stage.run(cfg, paths)
     test = training.load_split(paths, "global_test")
-    pool = fed.client_pool(training.load_split(paths, "global_train"), test)
-    population = fed.Population.from_config(cfg, pool)
+    population = users.population(cfg, paths)
     fraction = min(1.0, sampled / clients)
     settings = FederationSettings(rounds=rounds, clients=clients, fraction_train=fraction, fraction_evaluate=fraction,
                                   min_train_clients=sampled, min_evaluate_clients=sampled, local_epochs=3, lr=0.005,
                                   seed=0, round_timeout=3600, connect_timeout=600)
     me = psutil.Process()
-    peak = {"driver": 0, "total": 0}
+    peak = {"driver": 0, "worker": 0, "total": 0}
     stop = threading.Event()
 
     def sample():
@@ -57,9 +59,11 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
             try:
                 procs = [me, *me.children(recursive=True)]
                 rss = {p.pid: p.memory_info().rss for p in procs if p.is_running()}
+                actors = [rss[p.pid] for p in procs if p.pid in rss and "ClientAppActor" in " ".join(p.cmdline())]
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             peak["driver"] = max(peak["driver"], rss.get(me.pid, 0))
+            peak["worker"] = max([peak["worker"], *actors])
             peak["total"] = max(peak["total"], sum(rss.values()))
             time.sleep(0.1)
 
@@ -79,6 +83,7 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
         "seconds_per_round": round(sum(later) / len(later), 3),
         "wall_seconds": round(wall, 1),
         "peak_rss_driver_mb": round(peak["driver"] / 2**20, 1),
+        "peak_rss_worker_mb": round(peak["worker"] / 2**20, 1),
         "peak_rss_total_mb": round(peak["total"] / 2**20, 1),
         "participants": [r.participants for r in result.rounds],
         "global_test_accuracy": [round(r.server_eval.get("accuracy", float("nan")), 4) for r in result.rounds],
@@ -87,9 +92,9 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clients", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 10000])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--sampled", type=int, default=10)
+    ap.add_argument("--sampled", type=int, default=100)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one size
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
@@ -110,6 +115,7 @@ def main(argv=None) -> int:
             r = results[-1]
             print(f"{r['clients']:>5} clients, {r['sampled_per_round']} per round: {r['seconds_per_round']:.2f} s per round "
                   f"(rounds {r['round_seconds']}), client-id query {r['query_seconds']:.1f} s, peak RSS driver {r['peak_rss_driver_mb']:.0f} MB, "
+                  f"largest worker {r['peak_rss_worker_mb']:.0f} MB, "
                   f"driver + Ray {r['peak_rss_total_mb']:.0f} MB", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

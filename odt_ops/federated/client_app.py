@@ -12,10 +12,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from odt_ops.federated.local import RoundConfig
+from odt_ops.federated import secagg
+from odt_ops.federated.local import RoundConfig, RoundResult
+from odt_ops.federated.secagg import secagg_when_asked
 from odt_ops.federated.task import (
     ARRAYS,
     CLIPPING_NORM_KEY,
@@ -41,15 +44,17 @@ def client_app(artifacts: str | os.PathLike, data: DataFn, *, eval_batch_size: i
 
 def resolved_client_app(resolve: Resolver, *, eval_batch_size: int = 256) -> ClientApp:
     """Flower's ClientApp whose artifacts and data ``resolve(context)`` names when a message
-    arrives (from the run config, for an app whose components are built at import)."""
-    app = ClientApp()
+    arrives (from the run config, for an app whose components are built at import).
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
+    It answers both of Flower's message forms: the Message API's (``arrays`` and
+    ``config`` records, what ``server_app`` sends) and, for SecAgg+, the legacy
+    ``fitins``/``evaluateins`` records Flower's ``SecAggPlusWorkflow`` sends, through
+    ``secaggplus_mod`` (which masks the reply's update before it leaves the device)."""
+    app = ClientApp(mods=[secagg_when_asked])
+
+    def train_round(context: Context, global_params: dict[str, np.ndarray], config) -> tuple[int, RoundResult]:
         artifacts, data = resolve(context)
         cid = client_id_of(context)
-        config = msg.content[CONFIG]
-        global_params = {k: v.numpy() for k, v in msg.content[ARRAYS].items()}
         d = data(cid, context)
         clip = config.get(CLIPPING_NORM_KEY)
         cfg = RoundConfig(
@@ -59,23 +64,37 @@ def resolved_client_app(resolve: Resolver, *, eval_batch_size: int = 256) -> Cli
             clip_norm=float(clip) if clip is not None else None,
         )
         with one_thread():
-            res = trainer(artifacts).train_round(global_params, d.x, d.y, cfg)
-        metrics = {k: v for k, v in res.metrics.items() if k not in ("seconds", "train_loss_last")}
-        return Message(encode_reply(res.update, res.num_examples, metrics, cid), reply_to=msg)
+            return cid, trainer(artifacts).train_round(global_params, d.x, d.y, cfg)
 
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
+    def evaluate_on_holdout(context: Context, params: dict[str, np.ndarray]) -> dict[str, float]:
         artifacts, data = resolve(context)
-        cid = client_id_of(context)
-        params = {k: v.numpy() for k, v in msg.content[ARRAYS].items()}
-        d = data(cid, context)
+        d = data(client_id_of(context), context)
         x, y = (d.x_holdout, d.y_holdout) if d.x_holdout is not None else (d.x, d.y)
         with one_thread():
             res = trainer(artifacts).evaluate(params, x, y, batch_size=eval_batch_size)
         m = {WEIGHT_KEY: int(res.num_examples), "loss": float(res.loss)}
         if not math.isnan(res.accuracy):
             m["accuracy"] = float(res.accuracy)
-        return Message(RecordDict({METRICS: MetricRecord(m)}), reply_to=msg)
+        return m
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if secagg.is_legacy_train(msg):
+            params, config = secagg.read_fitins(msg, names=list(trainer(resolve(context)[0]).base))
+            _, res = train_round(context, params, config)
+            return Message(secagg.fitres(res), reply_to=msg)
+        global_params = {k: v.numpy() for k, v in msg.content[ARRAYS].items()}
+        cid, res = train_round(context, global_params, msg.content[CONFIG])
+        metrics = {k: v for k, v in res.metrics.items() if k not in ("seconds", "train_loss_last")}
+        return Message(encode_reply(res.update, res.num_examples, metrics, cid), reply_to=msg)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        if secagg.is_legacy_evaluate(msg):
+            params = secagg.read_evaluateins(msg, names=list(trainer(resolve(context)[0]).base))
+            return Message(secagg.evaluateres(evaluate_on_holdout(context, params)), reply_to=msg)
+        params = {k: v.numpy() for k, v in msg.content[ARRAYS].items()}
+        return Message(RecordDict({METRICS: MetricRecord(evaluate_on_holdout(context, params))}), reply_to=msg)
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:

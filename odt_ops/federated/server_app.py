@@ -334,11 +334,18 @@ def describe_round(rec: RoundRecord, settings: FederationSettings) -> str:
 
 def run_federation(grid: Grid, artifacts: str | os.PathLike, settings: FederationSettings, *,
                    evaluate_fn: EvaluateFn | None = None, initial: Mapping[str, np.ndarray] | None = None,
-                   progress: ProgressFn | None = None) -> FederationResult:
+                   progress: ProgressFn | None = None, context: Context | None = None) -> FederationResult:
     """The server's side of a federation on ``grid`` (what the ServerApp's main does);
-    ``progress`` gets each round's record when the round ends."""
+    ``progress`` gets each round's record when the round ends. With ``settings.secagg``
+    enabled, Flower's SecAgg+ workflow runs the rounds (odt_ops.federated.secagg)."""
     t0 = time.monotonic()
     start = {k: np.asarray(v) for k, v in (initial or initial_parameters(artifacts)).items()}
+    if settings.secagg.enabled:
+        from odt_ops.federated.secagg import run_secure_federation
+
+        context = context or Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
+        params, rounds, initial_eval = run_secure_federation(grid, context, start, settings, evaluate_fn=evaluate_fn, progress=progress)
+        return FederationResult(params, rounds, initial_eval, {}, {}, time.monotonic() - t0)
     specs = {k: (tuple(v.shape), v.dtype) for k, v in start.items()}
     strategy = build_strategy(settings, specs)
     server_eval: dict[int, dict[str, float]] = {}
@@ -377,7 +384,7 @@ def server_app(artifacts: str | os.PathLike, settings: FederationSettings, *, ev
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         s = FederationSettings.from_config(dict(context.run_config), settings) if context.run_config else settings
-        result = run_federation(grid, artifacts, s, evaluate_fn=evaluate_fn, initial=initial, progress=progress)
+        result = run_federation(grid, artifacts, s, evaluate_fn=evaluate_fn, initial=initial, progress=progress, context=context)
         if on_finish is not None:
             on_finish(result)
 
