@@ -7,50 +7,20 @@ protocol's documented quantization as the tolerance; and every reply the server
 receives, searched for any client's update (the same search finds them in a plain run)."""
 from __future__ import annotations
 
-import copy
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app import Message  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
 
 from odt_ops.federated import LocalTrainer, RoundConfig  # noqa: E402
 from odt_ops.federated.flower import FederationSettings, SecAggSettings, client_app, initial_parameters, run_federation  # noqa: E402
-from tests.federated.helpers import mlp_artifacts  # noqa: E402
-from tests.federated.test_flower import blobs, task_identity  # noqa: E402, F401
+from tests.federated.helpers import NodeGrid, mlp_artifacts  # noqa: E402
+from tests.federated.test_flower import blobs  # noqa: E402
 
 CLIENTS = 4
-
-
-class NodeGrid:
-    """Flower's Grid surface over ClientApps in this process, one persistent Context per node
-    (SecAgg+ keeps its keys and shares there across its four stages); every reply is kept."""
-
-    run = SimpleNamespace(run_id=1)
-
-    def __init__(self, app, n: int):
-        self.app = app
-        self.contexts = {1000 + 17 * i: Context(run_id=1, node_id=1000 + 17 * i, node_config={"partition-id": i}, state=RecordDict(),
-                                                run_config={}) for i in range(n)}
-        self.replies: list[Message] = []
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        out = []
-        for msg in messages:
-            try:  # each node gets its own copy, as over the wire (the workflow shares one content between messages)
-                reply = self.app(copy.deepcopy(msg), self.contexts[msg.metadata.dst_node_id])
-            except Exception as exc:
-                reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
-            out.append(reply)
-        self.replies += out
-        return out
 
 
 @pytest.fixture(scope="module")

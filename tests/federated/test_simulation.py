@@ -4,7 +4,9 @@ accuracy rises, the same seed gives the same bits, and the stage writes what DVC
 from __future__ import annotations
 
 import csv
+import io
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -101,3 +103,35 @@ def test_conf_federated_is_federation_settings():
     cfg = config.load(["federated=fedprox", "federated.rounds=4", "seed=7"], root=REPO)
     s = cfg.federated.settings(cfg.seed)
     assert (s.strategy, s.mu, s.rounds, s.seed, s.lr) == ("fedprox", 0.1, 4, 7, float(raw.lr))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_metrics_named_after_the_strategy_and_a_line_per_round_on_a_terminal(generated, tmp_path, monkeypatch):
+    """Under FedProx the comparison's metrics are holdout.fedprox*, and a terminal shows each
+    round as it ends. Flower's loop and strategies run on an in-process grid here (no Ray):
+    what is checked is the stage's own output."""
+    from odt_ops.federated import simulation
+    from odt_ops.federated.flower import client_app, run_federation
+    from tests.federated.helpers import NodeGrid
+
+    def in_process(artifacts, data, settings, *, evaluate_fn=None, progress=None, **_):
+        return run_federation(NodeGrid(client_app(artifacts, data), settings.clients), artifacts, settings, evaluate_fn=evaluate_fn,
+                              progress=progress)
+
+    _, paths = generated
+    cfg = config.load([*TINY, "federated=fedprox", "federated.rounds=2"], root=REPO)
+    monkeypatch.setattr(simulation, "simulate", in_process)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    out = paths.redirect("federate", tmp_path / "fedprox")
+    out.out("federate").mkdir(parents=True)
+    federate.run(cfg, out)
+    m = json.loads((out.out("federate") / "metrics.json").read_text())
+    assert set(m["holdout"]) == {"base", "local_only", "fedprox", "fedprox_finetune"}
+    lines = [line for line in terminal.getvalue().splitlines() if line.startswith("federate: round")]
+    assert [line.split(":")[1].strip() for line in lines] == ["round 1/2", "round 2/2"]
+    assert all("5/5 clients succeeded" in line and "clients' accuracy" in line and "B up" in line for line in lines), lines
