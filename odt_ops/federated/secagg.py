@@ -16,7 +16,8 @@ quantization_range`` is small against it. ``_DeltaFedAvg`` (Flower's legacy FedA
 weighted by the example counts) adds the securely averaged difference to the global
 model. What SecAgg+ does not provide here: the per-update checks of ``GuardedStrategy``
 (the server never sees an update to check), seeded client sampling (the legacy loop
-samples with Python's unseeded ``random``), and byte counts.
+samples with Python's unseeded ``random``). A round's bytes count everything the four
+stages and the evaluation carry (keys, shares, masked vectors, parameters).
 """
 from __future__ import annotations
 
@@ -86,11 +87,38 @@ def fitres(res: RoundResult) -> RecordDict:
 
 
 def evaluateres(metrics: Mapping[str, float]) -> RecordDict:
-    extra = {k: float(v) for k, v in metrics.items() if k not in (WEIGHT_KEY, "loss")}
+    extra = {k: float(v) for k, v in metrics.items() if k != WEIGHT_KEY}  # the loss too: the server's metrics aggregate it
     return compat.evaluateres_to_recorddict(EvaluateRes(Status(Code.OK, ""), float(metrics["loss"]), int(metrics[WEIGHT_KEY]), extra))
 
 
 # ---------------------------------------------------------------------------------- server side
+
+
+def record_bytes(content: RecordDict) -> int:
+    """Bytes a message's records carry: its arrays and the bytes values of its config
+    records (SecAgg+'s keys, shares and masked vectors travel there)."""
+    n = sum(rec.count_bytes() for rec in content.array_records.values())
+    for rec in content.config_records.values():
+        for value in rec.values():
+            n += sum(len(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, bytes))
+    return n
+
+
+class _CountingGrid:
+    """The grid with every message's bytes added to the current round's record."""
+
+    def __init__(self, grid: Grid, on_bytes):
+        self._grid, self._on_bytes = grid, on_bytes
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        down = sum(record_bytes(m.content) for m in messages)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self._on_bytes(down, sum(record_bytes(r.content) for r in replies if not r.has_error()))
+        return replies
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
 
 
 def _weighted(results: list[tuple[int, dict]]) -> dict[str, float]:
@@ -177,7 +205,12 @@ def run_secure_federation(grid: Grid, context: Context, start: dict[str, np.ndar
     workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(
         num_shares=s.num_shares, reconstruction_threshold=s.reconstruction_threshold, max_weight=s.max_weight,
         clipping_range=s.clipping_range, quantization_range=s.quantization_range, timeout=settings.round_timeout))
-    workflow(grid, legacy)
+    def count(down: int, up: int) -> None:
+        rec = record(clock["round"])
+        rec.bytes_down += down
+        rec.bytes_up += up
+
+    workflow(_CountingGrid(grid, count), legacy)
     from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 
     final = legacy.state.array_records[MAIN_PARAMS_RECORD]
