@@ -157,7 +157,7 @@ def deployment(supernodes: int, rounds: int, workdir: Path) -> dict:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
-    return {"supernodes": supernodes, "returncode": run.returncode, "rounds": [line.split("INFO", 1)[-1].strip(" :") for line in lines],
+    return {"supernodes": supernodes, "returncode": run.returncode, "rounds": [line[line.index("round "):] for line in lines],
             "wall_seconds": round(started, 1), "superlink_rss_mb": round(link_rss / 2**20, 1),
             "supernode_rss_mb_mean": round(sum(node_rss) / len(node_rss) / 2**20, 1), "supernodes_rss_total_mb": round(sum(node_rss) / 2**20, 1)}
 
