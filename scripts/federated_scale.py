@@ -91,6 +91,9 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
     }
 
 
+NODE_BYTES = 480 * 2**20  # one SuperNode with its SuperExec and ClientApp processes, as measured here (257-467 MB)
+
+
 def deployment(supernodes: int, rounds: int, workdir: Path) -> dict:
     """One SuperLink and ``supernodes`` SuperNode processes on 127.0.0.1 (insecure, as the
     README's recipe), the app run with 10% of them sampled per round: whether every node
@@ -173,6 +176,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.supernodes:
+        import psutil
+
+        need = args.supernodes * NODE_BYTES
+        if need > psutil.virtual_memory().available:
+            print(f"{args.supernodes} SuperNodes need about {need / 2**30:.1f} GiB here ({NODE_BYTES / 2**20:.0f} MiB each, measured), "
+                  f"more than the {psutil.virtual_memory().available / 2**30:.1f} GiB available; use fewer", file=sys.stderr)
+            return 2
         with tempfile.TemporaryDirectory(prefix="odt-fl-fleet-") as tmp:
             r = deployment(args.supernodes, args.rounds, Path(tmp))
         print(json.dumps(r, indent=1))
