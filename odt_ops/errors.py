@@ -147,3 +147,12 @@ class EmptyBatchError(InputError):
 
 class NonFiniteValueError(CheckpointError):
     """A checkpoint would hold NaN or infinite parameters, buffers or optimizer states."""
+
+
+class FederationSettingsError(ArgumentError):
+    """A federation's settings are out of range; ``problems`` lists each (key, value,
+    what is expected), keys as conf/federated and the Flower run config name them."""
+
+    def __init__(self, problems: list[tuple[str, object, str]]):
+        super().__init__("federation settings: " + "; ".join(f"{k}={v!r} (expected {why})" for k, v, why in problems))
+        self.problems = problems

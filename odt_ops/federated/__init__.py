@@ -6,10 +6,14 @@ Framework-neutral (numpy and onnx only, like the rest of odt_ops):
   a model difference; update, example count and metrics out) and evaluation;
 - ``proximal``: FedProx's proximal term as an exact gradient correction;
 - ``encoding``: model differences on the wire (float32, float16, int8 with a per-tensor
-  scale), and the checks a server runs on an update.
+  scale), and the checks a server runs on an update;
+- ``settings``: a federation's settings (``FederationSettings``), the schema of the
+  federate stage's ``federated`` section and of the Flower App's run config.
 
-``odt_ops.federated.flower`` (the only module that imports Flower, ``pip install
-odt[federated]``) builds Flower's ClientApp and ServerApp around these.
+On Flower (``pip install odt[federated]``), in Flower's layout: ``client_app`` (the
+ClientApp), ``server_app`` (the ServerApp and the guarded strategy), ``task`` (a client's
+data, the reply's records, server-side evaluation), ``simulation`` (Flower's Ray engine)
+and ``secagg`` (SecAgg+); ``flower`` imports their public names in one place.
 """
 from odt_ops.federated.encoding import (
     ENCODINGS,

@@ -1,7 +1,10 @@
-"""Small artifacts for the federated tests: a linear model (closed forms) and an MLP on the digits."""
+"""Small artifacts for the federated tests (a linear model with closed forms, an MLP on the digits)
+and an in-process grid that delivers messages to ClientApps as SuperNodes do."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -54,3 +57,38 @@ def mlp_artifacts(directory: Path, *, optimizer=None, seed: int = 0, requires_gr
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=optimizer or optim.SGD(),
                                  artifact_directory=directory, additional_output_names=["logits"])
     return Path(directory)
+
+
+class NodeGrid:
+    """Flower's Grid surface over ClientApps in this process, one persistent Context per node
+    (SecAgg+ keeps its keys and shares there across its four stages); every reply is kept."""
+
+    run = SimpleNamespace(run_id=1)
+
+    def __init__(self, app, n: int):
+        from flwr.app import Context, RecordDict
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.supercore.task_identity import TaskIdentity
+
+        # what the SuperLink (or run_simulation) sets before a ServerApp creates messages
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
+        self.app = app
+        self.contexts = {1000 + 17 * i: Context(run_id=1, node_id=1000 + 17 * i, node_config={"partition-id": i}, state=RecordDict(),
+                                                run_config={}) for i in range(n)}
+        self.replies: list = []  # flwr.app.Message
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import Error, Message
+
+        out = []
+        for msg in messages:
+            try:  # each node gets its own copy, as over the wire (the workflow shares one content between messages)
+                reply = self.app(copy.deepcopy(msg), self.contexts[msg.metadata.dst_node_id])
+            except Exception as exc:
+                reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
+            out.append(reply)
+        self.replies += out
+        return out

@@ -1,146 +1,94 @@
-"""Flower's deployment engine on 127.0.0.1: a SuperLink and three SuperNodes as separate processes
-(each SuperNode one device, its ClientApp run in a subprocess per message), the ServerApp submitted
-with `flwr run` against the running SuperLink, everything started and stopped by the test in
-bounded time. Dependency installation at run time is off: nothing downloads."""
+"""The README's deployment recipe, run as written: the ```bash block under "Deployment: a
+SuperLink and SuperNodes" is taken from README.md and run by bash from the checkout, on
+127.0.0.1 (a SuperLink, three SuperNodes as separate processes, `flwr run . local-deployment`).
+Only the environment differs from a user's shell: Flower's config in a temporary FLWR_HOME,
+the workspace (conf/, params.yaml, data/) a temporary one at test size (ODT_PROJECT_ROOT).
+The oracle is Flower's own account of the run: `flwr run --stream` prints the ServerApp's
+log, whose per-round lines must show every SuperNode's update averaged in and evaluated;
+afterwards nothing listens on the recipe's ports (its last line stopped what it started)."""
 from __future__ import annotations
 
-import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("flwr")
+pytest.importorskip("hydra")
 
-from tests.federated.helpers import mlp_artifacts  # noqa: E402
+from tests.pipeline.conftest import REPO  # noqa: E402
 
-BIN = Path(sys.executable).parent
-APP = '''\
-import json, os
-import numpy as np
-from odt_ops.federated.flower import ClientData, FederationSettings, client_app, server_app
-
-ART = os.environ["ODT_FL_ARTIFACTS"]
+HEADING = "### Deployment: a SuperLink and SuperNodes"
+PORTS = (9092, 9101, 9102, 9103)  # the recipe's SuperLink and SuperNodes
 
 
-def data(cid, context):
-    centers = np.random.default_rng(123).random((10, 1, 8, 8), dtype=np.float32)
-    rng = np.random.default_rng([0, cid])
-    y = rng.integers(0, 10, 60)
-    x = (centers[y] + 0.3 * rng.standard_normal((60, 1, 8, 8))).astype(np.float32)
-    return ClientData(x[:40], y[:40], x[40:], y[40:])
+def recipe() -> str:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index(HEADING):]
+    match = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert match, f"no ```bash block under {HEADING!r} in README.md"
+    return match.group(1)
 
 
-def finish(result):
-    with open(os.environ["ODT_FL_OUT"], "w") as f:
-        json.dump({"rounds": result.history(), "clients": sorted(result.clients.values())}, f)
-
-
-client = client_app(ART, data)
-server = server_app(ART, FederationSettings(rounds=2, num_clients=3, learning_rate=0.1, seed=1), on_finish=finish)
-'''
-PYPROJECT = '''\
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "odt-fl-test"
-version = "1.0.0"
-description = "odt on Flower's deployment engine"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.hatch.build.targets.wheel]
-packages = ["."]
-
-[tool.flwr.app]
-publisher = "odt"
-
-[tool.flwr.app.components]
-serverapp = "odt_fl_app:server"
-clientapp = "odt_fl_app:client"
-
-[tool.flwr.app.config]
-rounds = 2
-'''
-
-
-def free_port() -> int:
+def port_taken(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(what)
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """conf/ and a params.yaml at test size, and the artifacts generate makes from them."""
+    from pipeline import config, convert, generate, prepare, pretrain
+    from pipeline.paths import Paths
+
+    root = tmp_path_factory.mktemp("deploy_ws")
+    shutil.copytree(REPO / "conf", root / "conf")
+    shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
+    tiny = ["tracking=disabled", "data.user_samples=100", "data.user_train_per_class=3", "pretrain.epochs=2"]
+    (root / "params.yaml").write_text(config.compose_yaml(tiny, root=root), encoding="utf-8")
+    cfg = config.load([], root=root)
+    paths = Paths(root)
+    for stage in (prepare, convert, pretrain, generate):
+        stage.run(cfg, paths)
+    return root
 
 
 @pytest.mark.slow
-def test_superlink_and_three_supernodes_on_localhost(tmp_path):
-    if shutil.which("flower-superlink", path=str(BIN)) is None:
-        pytest.skip("flwr's console scripts are not installed next to this interpreter")
-    art = mlp_artifacts(tmp_path / "artifacts")
-    app = tmp_path / "app"
-    app.mkdir()
-    (app / "pyproject.toml").write_text(PYPROJECT)
-    (app / "odt_fl_app.py").write_text(APP)
+def test_readme_deployment_recipe_runs_as_written(workspace, tmp_path):
+    if not (REPO / ".venv" / "bin" / "activate").is_file():
+        pytest.skip("the recipe activates the checkout's .venv, which this checkout lacks (the README's commands make it)")
+    if shutil.which("curl") is None:
+        pytest.skip("the recipe waits for the SuperLink with curl, which is not installed")
+    busy = [p for p in PORTS if port_taken(p)]
+    if busy:
+        pytest.skip(f"the recipe's ports {busy} are in use on 127.0.0.1 (another SuperLink?)")
     home = tmp_path / "flwr_home"
-    home.mkdir()
-    port = free_port()
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
-    out = tmp_path / "result.json"
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "ODT_FL_ARTIFACTS": str(art), "ODT_FL_OUT": str(out),
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    procs: list[subprocess.Popen] = []
-
-    def start(name: str, *cmd: str) -> subprocess.Popen:
-        # each in its own session, so stopping it stops the app processes it spawned too
-        p = subprocess.Popen([str(BIN / cmd[0]), *cmd[1:]], env=env, cwd=tmp_path, stdout=open(logs / f"{name}.log", "w"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(p)
-        return p
-
+    env = {**os.environ, "FLWR_HOME": str(home), "ODT_PROJECT_ROOT": str(workspace), "FLWR_TELEMETRY_ENABLED": "0",
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    script = "set -e\n" + recipe()
+    # its own session: whatever the recipe leaves running is stopped with it
+    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        start("superlink", "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-              "--disable-runtime-dependency-installation")
-        wait_for(lambda: "Uvicorn running" in (logs / "superlink.log").read_text(), 60, "the SuperLink did not start")
-        for i in range(3):
-            start(f"supernode{i}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-                  "--node-config", f"partition-id={i}")
-        wait_for(lambda: all("SuperNode ID" in (logs / f"supernode{i}.log").read_text() for i in range(3)), 60, "SuperNodes did not connect")
-        run = subprocess.run([str(BIN / "flwr"), "run", str(app), "local", "--stream"], env=env, cwd=tmp_path, capture_output=True,
-                             text=True, timeout=420)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        wait_for(out.is_file, 60, "the ServerApp wrote no result")
-        result = json.loads(out.read_text())
+        out, _ = proc.communicate(timeout=420)
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 20
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
-    assert result["clients"] == [0, 1, 2]
-    assert [r["participants"] for r in result["rounds"]] == [3, 3]
-    assert all(not r["dropped"] and r["client_eval_count"] == 3 for r in result["rounds"])
-    assert all(p.poll() is not None for p in procs)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out[-4000:]
+    rounds = re.findall(r"round (\d+)/2: (\d+)/(\d+) clients succeeded; clients' accuracy [\d.]+ \((\d+) evaluated\)", out)
+    assert [r[0] for r in rounds] == ["1", "2"], out[-4000:]
+    assert all(r[1:] == ("3", "3", "3") for r in rounds), rounds  # every SuperNode trained and evaluated, every round
+    listing = subprocess.run([str(Path(sys.executable).parent / "flwr"), "list", "local-deployment"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60)
+    # the SuperLink is gone by now (the recipe's last line stops it): flwr list must fail to connect, not hang
+    assert listing.returncode != 0
+    assert (home / "config.toml").read_text().count("[superlink.local-deployment]") == 1
+    assert not any(port_taken(p) for p in PORTS), "the recipe's last line left a process listening"

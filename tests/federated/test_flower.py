@@ -122,7 +122,7 @@ def test_aggregate_equals_flowers_fedavg():
 @pytest.mark.parametrize("encoding", ["float32", "float16", "int8"])
 def test_a_federation_learns_and_its_bytes_are_counted(art, encoding):
     data, (xt, yt) = blobs()
-    s = FederationSettings(rounds=3, num_clients=6, fraction_train=0.5, learning_rate=0.1, local_epochs=2, encoding=encoding, seed=3)
+    s = FederationSettings(rounds=3, clients=6, fraction_train=0.5, lr=0.1, local_epochs=2, encoding=encoding, seed=3)
     grid = grid_for(art, data, 6)
     res = run_federation(grid, art, s, evaluate_fn=central_evaluation(art, xt, yt))
     accs = [res.initial_server_eval["accuracy"]] + [r.server_eval["accuracy"] for r in res.rounds]
@@ -141,13 +141,13 @@ def test_a_federation_learns_and_its_bytes_are_counted(art, encoding):
 
 def test_same_seed_same_bits_other_seed_other_clients(art):
     data, _ = blobs()
-    s = FederationSettings(rounds=2, num_clients=6, fraction_train=0.5, learning_rate=0.1, seed=11)
+    s = FederationSettings(rounds=2, clients=6, fraction_train=0.5, lr=0.1, seed=11)
     a = run_federation(grid_for(art, data, 6), art, s)
     b = run_federation(grid_for(art, data, 6), art, s)
     assert [r.clients for r in a.rounds] == [r.clients for r in b.rounds]
     for k in a.parameters:
         assert a.parameters[k].tobytes() == b.parameters[k].tobytes()
-    c = run_federation(grid_for(art, data, 6), art, FederationSettings(rounds=2, num_clients=6, fraction_train=0.5, learning_rate=0.1, seed=12))
+    c = run_federation(grid_for(art, data, 6), art, FederationSettings(rounds=2, clients=6, fraction_train=0.5, lr=0.1, seed=12))
     assert [r.clients for r in a.rounds] != [r.clients for r in c.rounds]
 
 
@@ -195,7 +195,7 @@ def _misbehaving(kind_by_client):
 def test_bad_clients_are_dropped_with_their_reason(art, caplog):
     data, _ = blobs()
     kinds = {1: "fail", 2: "nan", 3: "stale", 4: "shape", 5: "garbage"}
-    s = FederationSettings(rounds=1, num_clients=7, learning_rate=0.1, seed=0)
+    s = FederationSettings(rounds=1, clients=7, lr=0.1, seed=0)
     with caplog.at_level(logging.WARNING, logger="odt_ops.federated"):
         res = run_federation(grid_for(art, data, 7, wrap=_misbehaving(kinds)), art, s)
     r = res.rounds[0]
@@ -210,14 +210,14 @@ def test_bad_clients_are_dropped_with_their_reason(art, caplog):
     assert all(f"client {c} dropped" in caplog.text for c in kinds)
     # what was averaged is the two good clients' FedAvg, exactly as Flower's FedAvg does it
     good = run_federation(grid_for(art, data, 7, wrap=lambda cid, app: app), art,
-                          FederationSettings(rounds=1, num_clients=7, learning_rate=0.1, seed=0))
+                          FederationSettings(rounds=1, clients=7, lr=0.1, seed=0))
     assert good.rounds[0].clients == list(range(7))
 
 
 def test_too_few_successful_clients_keep_the_global_model(art, caplog):
     data, _ = blobs()
     kinds = {0: "fail", 1: "nan", 2: "stale"}
-    s = FederationSettings(rounds=2, num_clients=4, learning_rate=0.1, min_successful_clients=2, seed=0)
+    s = FederationSettings(rounds=2, clients=4, lr=0.1, min_successful_clients=2, seed=0)
     with caplog.at_level(logging.WARNING, logger="odt_ops.federated"):
         res = run_federation(grid_for(art, data, 4, wrap=_misbehaving(kinds)), art, s)
     assert [r.kept_global for r in res.rounds] == [True, True] and [r.participants for r in res.rounds] == [1, 1]
@@ -235,7 +235,7 @@ def test_every_flower_strategy_by_name(art, name):
     options = {"fedadam": {"eta": 0.01, "eta_l": 0.01}, "fedyogi": {"eta": 0.01, "eta_l": 0.01}, "fedadagrad": {"eta": 0.01, "eta_l": 0.01},
                "fedavgm": {"server_momentum": 0.5}, "krum": {"num_malicious_nodes": 1}, "multikrum": {"num_malicious_nodes": 1, "num_nodes_to_select": 3},
                "bulyan": {"num_malicious_nodes": 1}, "fedtrimmedavg": {"beta": 0.2}}.get(name, {})
-    s = FederationSettings(strategy=name, strategy_options=options, rounds=2, num_clients=7, learning_rate=0.1, proximal_mu=0.1 if name == "fedprox" else 0.0)
+    s = FederationSettings(strategy=name, strategy_options=options, rounds=2, clients=7, lr=0.1, mu=0.1 if name == "fedprox" else 0.0)
     guard = build_strategy(s, {"w": ((2,), np.dtype(np.float32))})
     assert type(guard.inner).__name__.lower() == name
     grid = grid_for(art, data, 7)
@@ -251,7 +251,7 @@ def test_every_flower_strategy_by_name(art, name):
 @pytest.mark.parametrize("mode", ["server_fixed", "server_adaptive", "client_fixed"])
 def test_differential_privacy_wrappers(art, mode):
     data, (xt, yt) = blobs()
-    s = FederationSettings(rounds=2, num_clients=6, learning_rate=0.1, seed=4, dp=DPSettings(enabled=True, mode=mode, noise_multiplier=0.01, clipping_norm=0.5))
+    s = FederationSettings(rounds=2, clients=6, lr=0.1, seed=4, dp=DPSettings(enabled=True, mode=mode, noise_multiplier=0.01, clipping_norm=0.5))
     guard = build_strategy(s, {"w": ((2,), np.dtype(np.float32))})
     assert "DifferentialPrivacy" in type(guard.inner).__name__
     a = run_federation(grid_for(art, data, 6), art, s, evaluate_fn=central_evaluation(art, xt, yt))

@@ -4,7 +4,9 @@ accuracy rises, the same seed gives the same bits, and the stage writes what DVC
 from __future__ import annotations
 
 import csv
+import io
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 pytest.importorskip("hydra")
 
-from pipeline import config, convert, federate, generate, prepare, pretrain  # noqa: E402
+from pipeline import config, convert, federate, generate, prepare, pretrain, users  # noqa: E402
 from pipeline.paths import Paths  # noqa: E402
 from tests.pipeline.conftest import REPO  # noqa: E402
 
@@ -36,11 +38,11 @@ def test_population_is_made_on_demand_deterministic_and_disjoint_from_the_clouds
     from pipeline import training
 
     train, test = training.load_split(paths, "global_train"), training.load_split(paths, "global_test")
-    pool = federate.client_pool(train, test)
+    pool = users.client_pool(train, test)
     cloud = {r.tobytes() for r in np.concatenate([train.x, test.x])}
     assert not any(r.tobytes() in cloud for r in pool[0]) and len(pool[0]) >= 80
-    pop = federate.Population.from_config(cfg, pool)
-    a, b = pop.user(3), federate.Population.from_config(cfg, pool).user(3)
+    pop = users.Population.from_config(cfg, pool)
+    a, b = pop.user(3), users.Population.from_config(cfg, pool).user(3)
     assert all(np.array_equal(u, v) for u, v in zip(a, b))
     x, y, xh, yh = a
     assert len(y) + len(yh) <= 40 and len(y) >= 15 and x.shape[1:] == (1, 8, 8)
@@ -87,8 +89,49 @@ def test_simulated_federation_learns_and_is_bit_identical(generated, tmp_path):
     assert ma["rounds_kept_global"] == 0 and ma["dropped"] == 0
 
 
-def test_strategy_names_match_flowers(generated):
-    from odt_ops.federated.flower import STRATEGIES
+def test_conf_federated_is_federation_settings():
+    """One schema: conf/federated's keys are FederationSettings' fields (less the top-level seed)
+    plus the stage's own, and the composed group gives the settings the stage and the app run."""
+    from dataclasses import fields
 
-    assert sorted(s.value for s in federate.StrategyName) == sorted(STRATEGIES)
-    assert sorted(e.value for e in federate.DiffEncoding) == ["float16", "float32", "int8"]
+    from odt_ops.federated.settings import DPSettings, FederationSettings, SecAggSettings
+
+    raw = config.compose([], root=REPO).federated
+    own = {"finetune_epochs", "population", "num_cpus"}
+    assert set(raw) - own == {f.name for f in fields(FederationSettings)} - {"seed"}
+    assert set(raw.dp) == {f.name for f in fields(DPSettings)} and set(raw.secagg) == {f.name for f in fields(SecAggSettings)}
+    cfg = config.load(["federated=fedprox", "federated.rounds=4", "seed=7"], root=REPO)
+    s = cfg.federated.settings(cfg.seed)
+    assert (s.strategy, s.mu, s.rounds, s.seed, s.lr) == ("fedprox", 0.1, 4, 7, float(raw.lr))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_metrics_named_after_the_strategy_and_a_line_per_round_on_a_terminal(generated, tmp_path, monkeypatch):
+    """Under FedProx the comparison's metrics are holdout.fedprox*, and a terminal shows each
+    round as it ends. Flower's loop and strategies run on an in-process grid here (no Ray):
+    what is checked is the stage's own output."""
+    from odt_ops.federated import simulation
+    from odt_ops.federated.flower import client_app, run_federation
+    from tests.federated.helpers import NodeGrid
+
+    def in_process(artifacts, data, settings, *, evaluate_fn=None, progress=None, **_):
+        return run_federation(NodeGrid(client_app(artifacts, data), settings.clients), artifacts, settings, evaluate_fn=evaluate_fn,
+                              progress=progress)
+
+    _, paths = generated
+    cfg = config.load([*TINY, "federated=fedprox", "federated.rounds=2"], root=REPO)
+    monkeypatch.setattr(simulation, "simulate", in_process)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    out = paths.redirect("federate", tmp_path / "fedprox")
+    out.out("federate").mkdir(parents=True)
+    federate.run(cfg, out)
+    m = json.loads((out.out("federate") / "metrics.json").read_text())
+    assert set(m["holdout"]) == {"base", "local_only", "fedprox", "fedprox_finetune"}
+    lines = [line for line in terminal.getvalue().splitlines() if line.startswith("federate: round")]
+    assert [line.split(":")[1].strip() for line in lines] == ["round 1/2", "round 2/2"]
+    assert all("5/5 clients succeeded" in line and "clients' accuracy" in line and "B up" in line for line in lines), lines
