@@ -42,7 +42,7 @@ from pipeline.config import MISSING, Section
 from pipeline.config.schema import FieldError
 from pipeline.io import atomic_write_text, nest, write_json
 from pipeline.paths import Paths
-from pipeline.tracking import NullRun
+from pipeline.tracking import NO_TRACKING, NullRun
 
 ROUND_COLUMNS = ("round", "sampled", "participants", "dropped", "kept_global", "client_accuracy", "client_loss",
                  "global_test_accuracy", "global_test_loss", "bytes_up", "bytes_down", "payload_bytes_up")
@@ -119,7 +119,7 @@ CONFIG = {"federated": FederatedConfig}
 # --------------------------------------------------------------------------- the stage
 
 
-def run(cfg, paths: Paths, tracker=NullRun()) -> dict:
+def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     from odt_ops.api import CheckpointState, Module
     from odt_ops.federated import LocalTrainer, RoundConfig, save_encoded
     from odt_ops.federated.simulation import simulate

@@ -47,7 +47,7 @@ class Population:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_config(cls, cfg, pool: tuple[np.ndarray, np.ndarray], one_hot: str | None = None) -> "Population":
+    def from_config(cls, cfg, pool: tuple[np.ndarray, np.ndarray], one_hot: str | None = None) -> Population:
         p = cfg.federated.population
         return cls(pool[0], pool[1], int(cfg.seed), int(p.train_per_client), int(p.holdout_per_client), float(p.label_alpha),
                    (float(p.slant_deg[0]), float(p.slant_deg[1])), tuple(int(s) for s in p.strokes), float(p.jitter_deg),

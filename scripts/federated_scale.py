@@ -17,6 +17,7 @@ processes. Flat in the population size is the claim this measures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -120,7 +121,8 @@ def deployment(supernodes: int, rounds: int, workdir: Path) -> dict:
     procs: list[subprocess.Popen] = []
 
     def start(name: str, *cmd: str) -> subprocess.Popen:
-        p = subprocess.Popen([str(bin_dir / cmd[0]), *cmd[1:]], env=env, cwd=ROOT, stdout=open(logs / f"{name}.log", "w"),
+        p = subprocess.Popen([str(bin_dir / cmd[0]), *cmd[1:]], env=env, cwd=ROOT,
+                             stdout=open(logs / f"{name}.log", "w"),  # noqa: SIM115 - the child holds it open
                              stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
         return p
@@ -151,10 +153,8 @@ def deployment(supernodes: int, rounds: int, workdir: Path) -> dict:
         lines = [line for line in run.stdout.splitlines() if "clients succeeded" in line]
     finally:
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already gone
                 os.killpg(p.pid, 15)
-            except ProcessLookupError:
-                pass
         for p in procs:
             try:
                 p.wait(timeout=30)

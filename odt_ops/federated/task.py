@@ -20,12 +20,12 @@ import numpy as np
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is imported; the network is not ours to use
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
-from odt_ops.errors import ModelDiffError  # noqa: E402
-from odt_ops.federated.encoding import EncodedDiff  # noqa: E402
-from odt_ops.federated.local import EvalResult, LocalTrainer  # noqa: E402
-from odt_ops.federated.settings import FederationSettings  # noqa: E402
+from odt_ops.errors import ModelDiffError
+from odt_ops.federated.encoding import EncodedDiff
+from odt_ops.federated.local import EvalResult, LocalTrainer
+from odt_ops.federated.settings import FederationSettings
 
 ARRAYS, METRICS, CONFIG, ODT = "arrays", "metrics", "config", "odt"
 SCALE_SUFFIX = "::scale"

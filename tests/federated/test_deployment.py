@@ -8,6 +8,7 @@ log, whose per-round lines must show every SuperNode's update averaged in and ev
 afterwards nothing listens on the recipe's ports (its last line stopped what it started)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -22,7 +23,7 @@ import pytest
 pytest.importorskip("flwr")
 pytest.importorskip("hydra")
 
-from tests.pipeline.conftest import REPO  # noqa: E402
+from tests.pipeline.conftest import REPO
 
 HEADING = "### Deployment: a SuperLink and SuperNodes"
 PORTS = (9092, 9101, 9102, 9103)  # the recipe's SuperLink and SuperNodes
@@ -78,10 +79,8 @@ def test_readme_deployment_recipe_runs_as_written(workspace, tmp_path):
     try:
         out, _ = proc.communicate(timeout=420)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     assert proc.returncode == 0, out[-4000:]
     rounds = re.findall(r"round (\d+)/2: (\d+)/(\d+) clients succeeded; clients' accuracy [\d.]+ \((\d+) evaluated\)", out)
     assert [r[0] for r in rounds] == ["1", "2"], out[-4000:]

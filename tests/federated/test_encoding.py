@@ -30,7 +30,8 @@ def test_float32_is_exact():
     back = decode_diff(enc)
     for k in d.deltas:
         np.testing.assert_array_equal(back.deltas[k], d.deltas[k])
-    assert enc.nbytes == (32 * 64 + 32 + 4) * 4 and encoding_error(d, enc) == 0.0
+    assert enc.nbytes == (32 * 64 + 32 + 4) * 4
+    assert encoding_error(d, enc) == 0.0
     assert (back.base_hash, back.num_examples, back.num_steps) == (d.base_hash, 17, 3)
 
 
@@ -56,7 +57,8 @@ def test_int8_quarters_the_bytes_error_at_most_half_a_step():
         assert enc.scales[k] == pytest.approx(float(scale))
         assert np.abs(enc.tensors[k]).max() <= 127
         np.testing.assert_array_less(np.abs(decode_diff(enc).deltas[k] - v), scale / 2 * (1 + 1e-5) + 1e-12)
-    assert np.array_equal(enc.tensors["z"], np.zeros(4, np.int8)) and enc.scales["z"] == 0.0
+    assert np.array_equal(enc.tensors["z"], np.zeros(4, np.int8))
+    assert enc.scales["z"] == 0.0
     assert 0 < encoding_error(d, enc) < 0.01
 
 
@@ -67,7 +69,9 @@ def test_files_round_trip(tmp_path, encoding):
     path = tmp_path / f"u.{encoding}.odtdiff"
     save_encoded(enc, path)
     back = load_encoded(path)
-    assert back.encoding == encoding and back.base_hash == d.base_hash and back.num_examples == 17
+    assert back.encoding == encoding
+    assert back.base_hash == d.base_hash
+    assert back.num_examples == 17
     for k in d.deltas:
         np.testing.assert_array_equal(back.tensors[k], enc.tensors[k])
     assert back.scales == enc.scales

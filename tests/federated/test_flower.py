@@ -10,13 +10,13 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
-from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
 
-from odt_ops.export import ModelDiff, aggregate  # noqa: E402
-from odt_ops.federated import encode_diff, fingerprint  # noqa: E402
-from odt_ops.federated.flower import (  # noqa: E402
+from odt_ops.export import ModelDiff, aggregate
+from odt_ops.federated import encode_diff, fingerprint
+from odt_ops.federated.flower import (
     STRATEGIES,
     ClientData,
     DPSettings,
@@ -27,7 +27,7 @@ from odt_ops.federated.flower import (  # noqa: E402
     encode_reply,
     run_federation,
 )
-from tests.federated.helpers import mlp_artifacts  # noqa: E402
+from tests.federated.helpers import mlp_artifacts
 
 
 class LocalGrid:
@@ -130,13 +130,18 @@ def test_a_federation_learns_and_its_bytes_are_counted(art, encoding):
     n_values = 64 * 32 + 32 + 32 * 10 + 10
     per_value = {"float32": 4, "float16": 2, "int8": 1}[encoding]
     for r in res.rounds:
-        assert r.sampled == 3 and r.participants == 3 and not r.dropped and not r.kept_global
+        assert r.sampled == 3
+        assert r.participants == 3
+        assert not r.dropped
+        assert not r.kept_global
         assert r.payload_bytes_up == 3 * (n_values * per_value + (16 if encoding == "int8" else 0))
         assert r.bytes_up > r.payload_bytes_up  # plus .npy headers and keys
         assert r.bytes_down >= 9 * n_values * 4  # global model to 3 trainers and 6 evaluators
-        assert r.client_eval_count == 6 and 0 <= r.client_eval["accuracy"] <= 1
+        assert r.client_eval_count == 6
+        assert 0 <= r.client_eval["accuracy"] <= 1
     assert sorted(res.clients.values()) == list(range(6))
-    assert len(res.last_updates) == 3 and all(u.encoding == encoding for u in res.last_updates.values())
+    assert len(res.last_updates) == 3
+    assert all(u.encoding == encoding for u in res.last_updates.values())
 
 
 def test_same_seed_same_bits_other_seed_other_clients(art):
@@ -199,7 +204,9 @@ def test_bad_clients_are_dropped_with_their_reason(art, caplog):
     with caplog.at_level(logging.WARNING, logger="odt_ops.federated"):
         res = run_federation(grid_for(art, data, 7, wrap=_misbehaving(kinds)), art, s)
     r = res.rounds[0]
-    assert r.clients == [0, 6] and r.participants == 2 and not r.kept_global
+    assert r.clients == [0, 6]
+    assert r.participants == 2
+    assert not r.kept_global
     reasons = {d["client"]: d["reason"] for d in r.dropped}
     assert set(reasons) == set(kinds)
     assert "battery died" in reasons[1]
@@ -220,13 +227,15 @@ def test_too_few_successful_clients_keep_the_global_model(art, caplog):
     s = FederationSettings(rounds=2, clients=4, lr=0.1, min_successful_clients=2, seed=0)
     with caplog.at_level(logging.WARNING, logger="odt_ops.federated"):
         res = run_federation(grid_for(art, data, 4, wrap=_misbehaving(kinds)), art, s)
-    assert [r.kept_global for r in res.rounds] == [True, True] and [r.participants for r in res.rounds] == [1, 1]
+    assert [r.kept_global for r in res.rounds] == [True, True]
+    assert [r.participants for r in res.rounds] == [1, 1]
     from odt_ops.federated.flower import initial_parameters
 
     start = initial_parameters(art)
     for k in start:
         np.testing.assert_array_equal(res.parameters[k], start[k])
-    assert "fewer than the 2 required" in caplog.text and "stays as it was" in caplog.text
+    assert "fewer than the 2 required" in caplog.text
+    assert "stays as it was" in caplog.text
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -244,7 +253,8 @@ def test_every_flower_strategy_by_name(art, name):
     assert res.rounds[-1].server_eval["accuracy"] > res.initial_server_eval["accuracy"]
     if name == "fedprox":  # Flower's FedProx sends mu; our clients add the proximal term
         trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
-        assert trains and all(m.content["config"]["proximal-mu"] == 0.1 for m in trains)
+        assert trains
+        assert all(m.content["config"]["proximal-mu"] == 0.1 for m in trains)
         assert res.rounds[0].train_metrics["proximal_term"] > 0
 
 
@@ -271,7 +281,10 @@ def test_differential_privacy_wrappers(art, mode):
 
 def test_settings_from_a_flat_run_config():
     s = FederationSettings.from_config({"rounds": 7, "dp.enabled": True, "strategy_options.eta": 0.5, "encoding": "int8"})
-    assert s.rounds == 7 and s.dp.enabled and s.strategy_options == {"eta": 0.5} and s.encoding == "int8"
+    assert s.rounds == 7
+    assert s.dp.enabled
+    assert s.strategy_options == {"eta": 0.5}
+    assert s.encoding == "int8"
     assert FederationSettings.from_config(s.to_config()) == s
     with pytest.raises(ValueError, match="strategy='fedsgd'"):
         FederationSettings(strategy="fedsgd")
@@ -283,6 +296,9 @@ def test_encode_reply_round_trip():
     d = ModelDiff({"w": np.linspace(-1, 1, 10, dtype=np.float32)}, "h" * 64, 12, 3)
     enc = encode_diff(d, "int8")
     back, cid = decode_reply(encode_reply(enc, 12, {"train_loss": 0.5}, 4))
-    assert cid == 4 and back.encoding == "int8" and back.scales == enc.scales and back.num_examples == 12
+    assert cid == 4
+    assert back.encoding == "int8"
+    assert back.scales == enc.scales
+    assert back.num_examples == 12
     np.testing.assert_array_equal(back.tensors["w"], enc.tensors["w"])
     assert isinstance(ConfigRecord, type)

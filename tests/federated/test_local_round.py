@@ -82,10 +82,12 @@ def test_local_round_equals_the_closed_form(linear_dir, mu):
                         b_glob=glob["fc.bias"].astype(np.float64), lr=0.1, mu=mu, steps=5)
     np.testing.assert_allclose(res.parameters["fc.weight"], w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res.parameters["fc.bias"], b, rtol=1e-5, atol=1e-6)
-    assert res.num_examples == len(x) and res.num_steps == 5
+    assert res.num_examples == len(x)
+    assert res.num_steps == 5
     np.testing.assert_array_equal(res.diff.deltas["fc.weight"], res.parameters["fc.weight"] - glob["fc.weight"])
     assert res.diff.base_hash == fingerprint(glob)
-    assert res.update.encoding == "float32" and res.metrics["update_bytes"] == (15 + 3) * 4
+    assert res.update.encoding == "float32"
+    assert res.metrics["update_bytes"] == (15 + 3) * 4
 
 
 def test_fedprox_pulls_towards_the_global_model(linear_dir):
@@ -159,7 +161,9 @@ def test_evaluate_and_learning(mlp_dir):
     before = trainer.evaluate(None, x, y)
     res = trainer.train_round(None, x, y, RoundConfig(epochs=5, batch_size=16, learning_rate=0.1))
     after = trainer.evaluate(res.parameters, x, y)
-    assert after.num_examples == 200 and after.accuracy > before.accuracy + 0.3 and after.loss < before.loss
+    assert after.num_examples == 200
+    assert after.accuracy > before.accuracy + 0.3
+    assert after.loss < before.loss
     # loss is the per-sample mean whatever the batch size
     assert trainer.evaluate(res.parameters, x, y, batch_size=7).loss == pytest.approx(after.loss, rel=1e-5)
 
@@ -187,7 +191,8 @@ def test_the_engine_imports_without_flower():
     code = ("import sys; sys.modules['flwr'] = None; import odt_ops.federated, odt_ops.federated.local, odt_ops.federated.settings; "
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok", out.stderr
     grep = subprocess.run([sys.executable, "-c", "import pathlib, odt_ops.federated as f; d = pathlib.Path(f.__file__).parent; "
                            "print(sorted(p.name for p in d.glob('*.py') if 'import flwr' in p.read_text() or 'from flwr' in p.read_text()))"],
                           capture_output=True, text=True, timeout=120)

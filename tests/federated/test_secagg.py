@@ -12,13 +12,13 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import Message  # noqa: E402
-from flwr.common import bytes_to_ndarray  # noqa: E402
+from flwr.app import Message
+from flwr.common import bytes_to_ndarray
 
-from odt_ops.federated import LocalTrainer, RoundConfig  # noqa: E402
-from odt_ops.federated.flower import FederationSettings, SecAggSettings, client_app, initial_parameters, run_federation  # noqa: E402
-from tests.federated.helpers import NodeGrid, mlp_artifacts  # noqa: E402
-from tests.federated.test_flower import blobs  # noqa: E402
+from odt_ops.federated import LocalTrainer, RoundConfig
+from odt_ops.federated.flower import FederationSettings, SecAggSettings, client_app, initial_parameters, run_federation
+from tests.federated.helpers import NodeGrid, mlp_artifacts
+from tests.federated.test_flower import blobs
 
 CLIENTS = 4
 
@@ -102,7 +102,8 @@ def test_secagg_aggregate_is_fedavg_within_quantization_and_no_update_is_seen(se
     assert moved > 1000 * tolerance  # the round changed the model far beyond the tolerance
     for k in start:
         np.testing.assert_allclose(secure.parameters[k], plain.parameters[k], rtol=0, atol=tolerance, err_msg=k)
-    assert secure.rounds[0].participants == CLIENTS and secure.rounds[0].client_eval_count == CLIENTS
+    assert secure.rounds[0].participants == CLIENTS
+    assert secure.rounds[0].client_eval_count == CLIENTS
 
     # the server saw every client's update in the plain run (the search works) and none under SecAgg+
     assert revealed(plain_grid.replies, updates) == set(range(CLIENTS))

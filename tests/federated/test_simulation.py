@@ -15,9 +15,9 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 pytest.importorskip("hydra")
 
-from pipeline import config, convert, federate, generate, prepare, pretrain, users  # noqa: E402
-from pipeline.paths import Paths  # noqa: E402
-from tests.pipeline.conftest import REPO  # noqa: E402
+from pipeline import config, convert, federate, generate, prepare, pretrain, users
+from pipeline.paths import Paths
+from tests.pipeline.conftest import REPO
 
 TINY = ["tracking=disabled", "data.user_samples=100", "data.user_train_per_class=3",
         "federated.clients=5", "federated.rounds=3", "federated.fraction_train=1.0",
@@ -40,12 +40,15 @@ def test_population_is_made_on_demand_deterministic_and_disjoint_from_the_clouds
     train, test = training.load_split(paths, "global_train"), training.load_split(paths, "global_test")
     pool = users.client_pool(train, test)
     cloud = {r.tobytes() for r in np.concatenate([train.x, test.x])}
-    assert not any(r.tobytes() in cloud for r in pool[0]) and len(pool[0]) >= 80
+    assert not any(r.tobytes() in cloud for r in pool[0])
+    assert len(pool[0]) >= 80
     pop = users.Population.from_config(cfg, pool)
     a, b = pop.user(3), users.Population.from_config(cfg, pool).user(3)
     assert all(np.array_equal(u, v) for u, v in zip(a, b))
     x, y, xh, yh = a
-    assert len(y) + len(yh) <= 40 and len(y) >= 15 and x.shape[1:] == (1, 8, 8)
+    assert len(y) + len(yh) <= 40
+    assert len(y) >= 15
+    assert x.shape[1:] == (1, 8, 8)
     styles = [pop.style(c) for c in range(5)]
     assert len({round(s["slant_deg"], 3) for s in styles}) == 5
     assert max(max(s["class_mix"]) for s in styles) > 0.2  # label skew
@@ -61,7 +64,7 @@ def test_simulated_federation_learns_and_is_bit_identical(generated, tmp_path):
         metrics = federate.run(cfg, out)
         runs.append((out.out("federate"), metrics))
     (a, ma), (b, mb) = runs
-    rows = list(csv.DictReader(open(a / "rounds.csv")))
+    rows = list(csv.DictReader((a / "rounds.csv").read_text().splitlines()))
     assert [int(r["round"]) for r in rows] == [0, 1, 2, 3]
     assert all(int(r["participants"]) == 5 for r in rows[1:])
     holdout = [float(r["client_accuracy"]) for r in rows]
@@ -82,11 +85,13 @@ def test_simulated_federation_learns_and_is_bit_identical(generated, tmp_path):
 
     assert odt_ops.InferenceSession(a / "inference.onnx").run(None, {"input": np.zeros((2, 1, 8, 8), np.float32)})[0].shape == (2, 10)
     diffs = sorted((a / "diffs").iterdir())
-    assert len(diffs) == 5 and load_encoded(diffs[0]).encoding == "float32"
+    assert len(diffs) == 5
+    assert load_encoded(diffs[0]).encoding == "float32"
     m = json.loads((a / "metrics.json").read_text())
     assert set(m["holdout"]) == {"base", "local_only", "fedavg", "fedavg_finetune"}
     assert m["bytes"]["payload_up_per_client_round"] == 650 * 4  # the head's 650 float32 values
-    assert ma["rounds_kept_global"] == 0 and ma["dropped"] == 0
+    assert ma["rounds_kept_global"] == 0
+    assert ma["dropped"] == 0
 
 
 def test_conf_federated_is_federation_settings():
@@ -99,7 +104,8 @@ def test_conf_federated_is_federation_settings():
     raw = config.compose([], root=REPO).federated
     own = {"finetune_epochs", "population", "num_cpus"}
     assert set(raw) - own == {f.name for f in fields(FederationSettings)} - {"seed"}
-    assert set(raw.dp) == {f.name for f in fields(DPSettings)} and set(raw.secagg) == {f.name for f in fields(SecAggSettings)}
+    assert set(raw.dp) == {f.name for f in fields(DPSettings)}
+    assert set(raw.secagg) == {f.name for f in fields(SecAggSettings)}
     cfg = config.load(["federated=fedprox", "federated.rounds=4", "seed=7"], root=REPO)
     s = cfg.federated.settings(cfg.seed)
     assert (s.strategy, s.mu, s.rounds, s.seed, s.lr) == ("fedprox", 0.1, 4, 7, float(raw.lr))
