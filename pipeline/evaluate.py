@@ -21,7 +21,7 @@ from pathlib import Path
 
 import odt_ops
 from odt_ops.api import CheckpointState, Module
-from pipeline import training
+from pipeline import inputs, scoring
 from pipeline.config import MISSING, Section
 from pipeline.errors import DataError
 from pipeline.io import flatten, write_json
@@ -49,13 +49,13 @@ def confusion(paths: Paths, model: str) -> Path:
 
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
-    gen = training.generated(paths)
+    gen = inputs.generated(paths)
     base_path = paths.pretrained_model
     ckpt = paths.trained_checkpoint
     for path, stage in ((base_path, "pretrain"), (ckpt, "train")):
         if not path.is_file():
             raise DataError(f"{paths.show(path)}: {stage}'s output not found; run the pipeline from the start (dvc repro)")
-    encode = training.target_encoder(gen.eval_model)
+    encode = inputs.target_encoder(gen.eval_model)
     base = odt_ops.InferenceSession(base_path)
     (inp,) = base.input_names()
     module = Module(gen.training_model, CheckpointState.load_checkpoint(ckpt), gen.eval_model)
@@ -68,12 +68,12 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     n = cfg.data.num_classes
     results: dict = {}
     for name in SPLITS:
-        split = training.load_split(paths, name)
-        training.check_fits(split, gen.eval_model, paths)
+        split = inputs.load_split(paths, name)
+        inputs.check_fits(split, gen.eval_model, paths)
         t = encode(split.y)
         results[name] = {"n": len(split)}
         for model in MODELS:
-            r = training.classification(training.batched(predict[model], split.x, t, bs), split.y, n)
+            r = scoring.classification(scoring.batched(predict[model], split.x, t, bs), split.y, n)
             results[name][model] = {"accuracy": r["accuracy"], "loss": r["loss"]}
             if name == "user_holdout":
                 rows = [{"actual": int(a), "predicted": int(p)} for a, p in zip(split.y, r["predicted"])]

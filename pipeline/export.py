@@ -39,7 +39,7 @@ from odt_ops.lora.rewrite import METADATA_KEY as LORA_KEY
 from odt_ops.quant.export import export_quantized
 from odt_ops.quant.qat import METADATA_KEY as QAT_KEY
 from odt_ops.web_bundle import write_web_bundle
-from pipeline import training
+from pipeline import inference, inputs, loop, scoring
 from pipeline.config import MISSING, Section
 from pipeline.errors import DataError, PipelineError
 from pipeline.io import nest, write_json
@@ -68,7 +68,7 @@ class ExportCheckError(PipelineError):
 
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
-    gen = training.generated(paths)
+    gen = inputs.generated(paths)
     ckpt = paths.trained_checkpoint
     if not ckpt.is_file():
         raise DataError(f"{paths.show(ckpt)}: train's checkpoint not found; run the pipeline from the start (dvc repro)")
@@ -81,14 +81,14 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     elif qat:
         proto = _with_ir_version(export_quantized(gen.eval_model, state.checkpoint, target), target, cfg.export.ir_version)
     else:
-        proto = training.export_inference(module, target, cfg.export.ir_version)
+        proto = inference.export_inference(module, target, cfg.export.ir_version)
 
-    splits = [training.load_split(paths, name) for name in ("user_holdout", "global_test")]
+    splits = [inputs.load_split(paths, name) for name in ("user_holdout", "global_test")]
     x = np.concatenate([s.x for s in splits])
     y = np.concatenate([s.y for s in splits])
-    encode = training.target_encoder(gen.eval_model)
+    encode = inputs.target_encoder(gen.eval_model)
     module.eval()
-    reference = training.batched(lambda xb, tb: module(xb, tb)[1], x, encode(y), 512)
+    reference = scoring.batched(lambda xb, tb: module(xb, tb)[1], x, encode(y), 512)
     engine = odt_ops.InferenceSession(target)
     (inp,) = engine.input_names()
     ours = engine.run(None, {inp: x})[0]
@@ -103,8 +103,8 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     if lora:
         metrics.update(_export_adapter(cfg, paths, gen, state, inp, x, ours))
 
-    n_train = len(training.load_split(paths, "user_train"))
-    steps = int(state.properties.get(training.TOTAL_STEPS, 0))
+    n_train = len(inputs.load_split(paths, "user_train"))
+    steps = int(state.properties.get(loop.TOTAL_STEPS, 0))
     diff = model_diff(gen.checkpoint, state, num_examples=n_train, num_steps=steps,
                       metadata={"producer": "odt pipeline"})
     diff_path = paths.model_diff
@@ -204,7 +204,7 @@ def after(cfg, paths: Paths, tracker) -> None:
     """The inference model as an MLflow model (onnx flavor, signature from an input example
     of the user's holdout), and params.yaml and dvc.lock (as DVC has written it so far:
     every stage before this one) on the pipeline run and this one."""
-    example = training.load_split(paths, "user_holdout").x[:2]
+    example = inputs.load_split(paths, "user_holdout").x[:2]
     tracker.log_onnx_model(paths.inference_model, example)
     for name in (ADAPTER_FILE, ADAPTER_BASE):  # trainable=lora: the adapter and its base, beside the model
         if (paths.out("export") / name).is_file():

@@ -37,7 +37,7 @@ import numpy as np
 
 from odt_ops.errors import FederationSettingsError
 from odt_ops.federated.settings import DPSettings, FederationSettings, SecAggSettings
-from pipeline import training, users
+from pipeline import inference, inputs, users
 from pipeline.config import MISSING, Section
 from pipeline.config.schema import FieldError
 from pipeline.io import atomic_write_text, nest, write_json
@@ -125,11 +125,11 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     from odt_ops.federated.simulation import simulate
     from odt_ops.federated.task import central_evaluation
 
-    gen = training.generated(paths)
+    gen = inputs.generated(paths)
     f = cfg.federated
-    test = training.load_split(paths, "global_test")
+    test = inputs.load_split(paths, "global_test")
     population = users.population(cfg, paths)
-    training.check_fits(training.Split("federated users", paths.out("prepare"), population.user(0)[0], population.user(0)[1]),
+    inputs.check_fits(inputs.Split("federated users", paths.out("prepare"), population.user(0)[0], population.user(0)[1]),
                         gen.eval_model, paths)
     settings = f.settings(cfg.seed)
     test_t = population.targets(test.y)
@@ -144,7 +144,7 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
         state.parameters[name].data = value
     CheckpointState.save_checkpoint(state, out / "checkpoint")
     module = Module(gen.training_model, state, gen.eval_model)
-    training.export_inference(module, paths.federated_model, cfg.export.ir_version)
+    inference.export_inference(module, paths.federated_model, cfg.export.ir_version)
 
     # the last round's updates, as the clients sent them
     (out / "diffs").mkdir(parents=True, exist_ok=True)
@@ -261,7 +261,7 @@ class _console_log:
 
 def after(cfg, paths: Paths, tracker) -> None:
     """The global model as an MLflow model (onnx flavor, an input example from the global test)."""
-    example = training.load_split(paths, "global_test").x[:2]
+    example = inputs.load_split(paths, "global_test").x[:2]
     tracker.log_onnx_model(paths.federated_model, example, name="global_model")
 
 

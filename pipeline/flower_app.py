@@ -30,7 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 from odt_ops.federated.client_app import resolved_client_app
 from odt_ops.federated.server_app import describe_round, run_federation
 from odt_ops.federated.task import DataFn, central_evaluation
-from pipeline import config, training, users
+from pipeline import config, inputs, users
 from pipeline.errors import DataError
 from pipeline.paths import Paths, project_root
 
@@ -76,7 +76,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg, paths = _workspace_of(context)
     settings = cfg.federated.settings(cfg.seed)
     population = users.population(cfg, paths)
-    test = training.load_split(paths, "global_test")
+    test = inputs.load_split(paths, "global_test")
     gen = paths.artifacts.directory
     log.info("federation of %d clients, %d rounds, %s, artifacts %s", settings.clients, settings.rounds, settings.strategy, gen)
     result = run_federation(grid, gen, settings, evaluate_fn=central_evaluation(gen, test.x, population.targets(test.y)),

@@ -85,7 +85,7 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
         "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets)},
     }
     write_json(out / SUMMARY, summary)
-    write_digests(out)  # training.generated() checks the artifacts against it
+    write_digests(out)  # inputs.generated() checks the artifacts against it
     return {"n_trainable_params": n_trainable, "n_params": n_all, "trainable_fraction": n_trainable / max(1, n_all),
             "n_trained_layers": len(summary["trained_layers"])}
 
@@ -94,9 +94,9 @@ def _quantized(paths: Paths, model, out, trainable: list[str]):
     """trainable=qat: the pretrained model as int8 QDQ (pipeline/quantize.py), and no frozen
     parameters: the quantized weights' master copies train, the int8 tensors, scales and zero
     points stay constants of the graphs."""
-    from pipeline import quantize, training
+    from pipeline import inputs, quantize
 
-    split = training.load_split(paths, "global_train")
+    split = inputs.load_split(paths, "global_train")
     arrays = model.initializer_arrays()
     input_name = next(i.name for i in model.graph.input if i.name not in arrays)
     qdq = odt_ops.load_model(quantize.quantize_qdq(paths.pretrained_model, out / "base_qdq.onnx", split.x, input_name))

@@ -26,7 +26,7 @@ import numpy as np
 import odt_ops
 from odt_ops import artifacts
 from odt_ops.api import CheckpointState, ConstantLRScheduler, Module, Optimizer
-from pipeline import config, training
+from pipeline import config, inputs, loop, scoring
 from pipeline.config import MISSING, OPTIMIZER, Section
 from pipeline.convert import ModelSource
 from pipeline.errors import DataError
@@ -72,8 +72,8 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     if not source.is_file():
         raise DataError(f"{paths.show(source)}: convert's model not found; run the pipeline from the start (dvc repro)")
     verify_digest(source, paths.show(source))
-    splits = {name: training.load_split(paths, name) for name in EVAL_SPLITS}
-    training.check_fits(splits["global_train"], source, paths)
+    splits = {name: inputs.load_split(paths, name) for name in EVAL_SPLITS}
+    inputs.check_fits(splits["global_train"], source, paths)
     out = paths.out("pretrain")
     out.mkdir(parents=True, exist_ok=True)
     target = paths.pretrained_model
@@ -88,7 +88,7 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     metrics: dict = {"trained": int(fit is not None)}
     for name, split in splits.items():
         logits = np.concatenate([sess.run(None, {inp: split.x[i : i + 512]})[0] for i in range(0, len(split), 512)])
-        result = training.classification(logits, split.y, cfg.data.num_classes)
+        result = scoring.classification(logits, split.y, cfg.data.num_classes)
         metrics[f"{name}.accuracy"] = result["accuracy"]
         metrics[f"{name}.loss"] = result["loss"]
     if fit is not None:
@@ -100,10 +100,10 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
 
 
 def _per_epoch(cfg, splits) -> int:
-    return training.steps_per_epoch(len(splits["global_train"]), cfg.pretrain.batch_size)
+    return loop.steps_per_epoch(len(splits["global_train"]), cfg.pretrain.batch_size)
 
 
-def _train(cfg, source: Path, split: training.Split, target: Path, tracker) -> training.FitResult:
+def _train(cfg, source: Path, split: inputs.Split, target: Path, tracker) -> loop.FitResult:
     p = cfg.pretrain
     opt = config.build(p.optimizer)
     model = odt_ops.load_model(source)
@@ -122,7 +122,7 @@ def _train(cfg, source: Path, split: training.Split, target: Path, tracker) -> t
         def on_step(step: int, epoch: int, loss: float, lr: float) -> None:
             tracker.log_metric("loss", loss, step)
 
-        fit = training.fit(
+        fit = loop.fit(
             module, optimizer, split.x, split.y, epochs=p.epochs, batch_size=p.batch_size, shuffle=True,
             rng=np.random.default_rng(cfg.seed), on_step=on_step, desc="pretrain",
         )

@@ -271,15 +271,15 @@ def current_accuracy(job: Job, candidate: Candidate) -> tuple[dict, str]:
 def holdout_accuracy(model: Path, paths, num_classes: int) -> dict:
     """Accuracy of an inference model on ``paths``' user holdout and global test set."""
     import odt_ops
-    from pipeline import training
+    from pipeline import inputs, scoring
 
     sess = odt_ops.InferenceSession(model)
     (inp,) = sess.input_names()
     out = {}
     for name in ("user_holdout", "global_test"):
-        split = training.load_split(paths, name)
-        logits = training.batched(lambda x, t: sess.run(None, {inp: x})[0], split.x, split.y, 512)
-        out[name] = training.classification(logits, split.y, num_classes)["accuracy"]
+        split = inputs.load_split(paths, name)
+        logits = scoring.batched(lambda x, t: sess.run(None, {inp: x})[0], split.x, split.y, 512)
+        out[name] = scoring.classification(logits, split.y, num_classes)["accuracy"]
     return out
 
 
@@ -300,10 +300,10 @@ def decide(cfg, candidate: dict, current: dict, current_model: str) -> Decision:
 
 def promote(job: Job, candidate: Candidate, tracker) -> None:
     """The candidate into MLflow's registry (alias in-service) and behind the promoted link."""
-    from pipeline import tracking, training
+    from pipeline import inputs, tracking
 
     files = {name: candidate.file(rel) for name, rel in CANDIDATE_FILES.items()}
-    model_uri = tracker.log_onnx_model(files["inference.onnx"], training.load_split(_paths(candidate), "user_holdout").x[:2])
+    model_uri = tracker.log_onnx_model(files["inference.onnx"], inputs.load_split(_paths(candidate), "user_holdout").x[:2])
     if model_uri:
         job.record["registry_version"] = tracker.register_model(model_uri, job.cfg.tracking.registered_model, tracking.IN_SERVICE_ALIAS)
     evaluation = json.loads(candidate.file("data/evaluate/metrics.json").read_text())

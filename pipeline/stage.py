@@ -131,7 +131,7 @@ def _rounded(value):
 
 def _log_datasets(tracker, paths: Paths, datasets: Mapping[str, str]) -> None:
     """``split name -> context`` (training, evaluation) as MLflow dataset inputs."""
-    from pipeline.training import load_split
+    from pipeline.inputs import load_split
 
     by_context: dict[str, dict] = {}
     for name, context in datasets.items():

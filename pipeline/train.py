@@ -34,14 +34,14 @@ import numpy as np
 from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import OptimizerState, load_checkpoint
 from odt_ops.errors import CheckpointError
-from pipeline import training
+from pipeline import inputs, loop, optimizer
 from pipeline.config import MISSING, Section
 from pipeline.errors import ConfigError, DataError
 from pipeline.io import atomic_write_text, nest, sha256_file, write_json
 from pipeline.paths import Artifacts, Paths
 from pipeline.tracking import NO_TRACKING, NullRun
 
-TOTAL_STEPS = training.TOTAL_STEPS
+TOTAL_STEPS = loop.TOTAL_STEPS
 CURVE = "curve.csv"  # step, epoch, loss, lr (dvc plots; the PNG in MLflow)
 
 
@@ -81,14 +81,14 @@ class DeviceConfig(Section):
         self.need(self.max_seconds is None or self.max_seconds > 0, "max_seconds", "null or a number > 0")
 
 
-CONFIG = {"optimizer": training.OptimizerConfig, "train": TrainConfig, "device": DeviceConfig}
+CONFIG = {"optimizer": optimizer.OptimizerConfig, "train": TrainConfig, "device": DeviceConfig}
 
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
-    gen = training.generated(paths)
-    split = training.load_split(paths, "user_train")
-    training.check_fits(split, gen.eval_model, paths)
-    targets = training.target_encoder(gen.training_model)(split.y)
+    gen = inputs.generated(paths)
+    split = inputs.load_split(paths, "user_train")
+    inputs.check_fits(split, gen.eval_model, paths)
+    targets = inputs.target_encoder(gen.training_model)(split.y)
 
     state = CheckpointState.load_checkpoint(gen.checkpoint)
     init = continue_from(cfg, paths, state)
@@ -96,9 +96,9 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     optimizer, resumed = _optimizer(gen, module, state)
 
     t, dv = cfg.train, cfg.device
-    per_epoch = training.steps_per_epoch(len(split), dv.batch_size)
+    per_epoch = loop.steps_per_epoch(len(split), dv.batch_size)
     total = t.epochs * per_epoch if dv.max_steps is None else min(t.epochs * per_epoch, dv.max_steps)
-    lr_scheduler = training.scheduler(optimizer, cfg.optimizer, total)
+    lr_scheduler = optimizer.scheduler(optimizer, cfg.optimizer, total)
 
     out = paths.out("train")
     (out / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -114,8 +114,8 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
             state.properties[TOTAL_STEPS] = prior_steps + step
             save(state, out / "checkpoints" / f"step_{step:06d}")
 
-    with training.limit_threads(dv.threads):
-        fit = training.fit(
+    with loop.limit_threads(dv.threads):
+        fit = loop.fit(
             module, optimizer, split.x, targets, epochs=t.epochs, batch_size=dv.batch_size, shuffle=t.shuffle,
             rng=np.random.default_rng(cfg.seed), lr_scheduler=lr_scheduler, max_steps=dv.max_steps,
             max_seconds=dv.max_seconds, on_step=on_step, desc="train",

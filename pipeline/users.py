@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline import datasets, training
+from pipeline import datasets, inputs
 from pipeline.errors import DataError
 from pipeline.paths import Artifacts, Paths
 
 
-def client_pool(global_train: training.Split, global_test: training.Split) -> tuple[np.ndarray, np.ndarray]:
+def client_pool(global_train: inputs.Split, global_test: inputs.Split) -> tuple[np.ndarray, np.ndarray]:
     """The bundled digits that are in neither the cloud's training set nor the global test."""
     x, y = datasets.load_digits_demo()
     taken = {row.tobytes() for split in (global_train, global_test) for row in np.ascontiguousarray(split.x, np.float32)}
@@ -104,11 +104,11 @@ class Population:
 
 def one_hot_dtype(gen: Artifacts) -> str | None:
     """The label input's dtype when the artifacts' loss takes one-hot rows, else None (class ids)."""
-    probe = training.target_encoder(gen.training_model)(np.array([0]))
+    probe = inputs.target_encoder(gen.training_model)(np.array([0]))
     return None if probe.ndim == 1 else probe.dtype.str
 
 
 def population(cfg, paths: Paths) -> Population:
     """The users of ``cfg.federated.population`` over the digits the prepare stage left for them."""
-    pool = client_pool(training.load_split(paths, "global_train"), training.load_split(paths, "global_test"))
+    pool = client_pool(inputs.load_split(paths, "global_train"), inputs.load_split(paths, "global_test"))
     return Population.from_config(cfg, pool, one_hot_dtype(paths.artifacts))

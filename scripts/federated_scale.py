@@ -37,7 +37,7 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
     from odt_ops.federated.settings import FederationSettings
     from odt_ops.federated.simulation import simulate
     from odt_ops.federated.task import central_evaluation
-    from pipeline import config, convert, generate, prepare, pretrain, training, users
+    from pipeline import config, convert, generate, inputs, prepare, pretrain, users
     from pipeline.paths import Paths
 
     cfg = config.load(["tracking=disabled"], root=ROOT)
@@ -46,7 +46,7 @@ def measure(clients: int, rounds: int, sampled: int, workdir: Path) -> dict:
     if not gen.checkpoint.is_file():
         for stage in (prepare, convert, pretrain, generate):
             stage.run(cfg, paths)
-    test = training.load_split(paths, "global_test")
+    test = inputs.load_split(paths, "global_test")
     population = users.population(cfg, paths)
     fraction = min(1.0, sampled / clients)
     settings = FederationSettings(rounds=rounds, clients=clients, fraction_train=fraction, fraction_evaluate=fraction,

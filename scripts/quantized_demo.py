@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     from odt_ops import InferenceSession
     from odt_ops.lora import LoraConfig, export_merged
     from odt_ops.quant.export import export_quantized
-    from pipeline import config, convert, prepare, pretrain, training
+    from pipeline import config, convert, inputs, prepare, pretrain
     from pipeline.paths import Paths
 
     root = args.workdir or Path(tempfile.mkdtemp(prefix="odt-quantized-demo-"))
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     cfg = config.load(["tracking=disabled"])
     for stage in (prepare, convert, pretrain):
         stage.run(cfg, paths)
-    train, holdout, calibration = (training.load_split(paths, n) for n in ("user_train", "user_holdout", "global_train"))
+    train, holdout, calibration = (inputs.load_split(paths, n) for n in ("user_train", "user_holdout", "global_train"))
     base = onnx.load(str(paths.pretrained_model))
     name = base.graph.input[0].name
 

@@ -75,3 +75,14 @@ class StepLRScheduler(LRScheduler):
 
     def factor(self, step: int) -> float:
         return self.gamma ** (step // self.step_size)
+
+
+class WarmupConstantLRScheduler(LRScheduler):
+    """Linear warm-up to the rate over ``warmup_step_count`` steps, then constant."""
+
+    def __init__(self, optimizer, warmup_step_count: int, initial_lr: float):
+        self.warmup = int(warmup_step_count)
+        super().__init__(optimizer, initial_lr)
+
+    def factor(self, step: int) -> float:
+        return min(1.0, step / self.warmup)

@@ -33,6 +33,7 @@ from flwr.compat.common import recorddict_compat as compat
 from flwr.serverapp import Grid
 
 from odt_ops.federated.local import RoundResult
+from odt_ops.federated.record import RoundRecord
 from odt_ops.federated.settings import FederationSettings
 from odt_ops.federated.task import WEIGHT_KEY, EvaluateFn, train_config
 
@@ -135,7 +136,6 @@ def run_secure_federation(grid: Grid, context: Context, start: dict[str, np.ndar
     from flwr.server.strategy import FedAvg
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
-    from odt_ops.federated.server_app import RoundRecord
 
     names = list(start)
     records: dict[int, RoundRecord] = {}

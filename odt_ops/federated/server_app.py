@@ -27,7 +27,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from flwr.serverapp import strategy as fl
 
 from odt_ops.errors import ArgumentError, ModelDiffError
 from odt_ops.federated.encoding import EncodedDiff, check_update, decode_diff, fingerprint
+from odt_ops.federated.record import RoundRecord
 from odt_ops.federated.settings import STRATEGY_NAMES, FederationSettings
 from odt_ops.federated.task import ARRAYS, METRICS, ODT, EvaluateFn, decode_reply, initial_parameters, train_config
 
@@ -86,26 +87,6 @@ def _seeded(seed: int, round_: int, salt: int) -> Iterator[None]:
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-
-
-@dataclass
-class RoundRecord:
-    """What happened in one round, as the server saw it."""
-
-    round: int
-    sampled: int = 0
-    participants: int = 0  # updates averaged in
-    dropped: list[dict] = field(default_factory=list)  # {client, node, reason}
-    kept_global: bool = False  # too few successful clients: the global model stayed
-    bytes_down: int = 0  # ArrayRecord bytes sent (train and evaluate messages)
-    bytes_up: int = 0  # ArrayRecord bytes received from clients
-    payload_bytes_up: int = 0  # encoded values (and int8 scales) only
-    train_metrics: dict[str, float] = field(default_factory=dict)
-    client_eval: dict[str, float] = field(default_factory=dict)  # weighted over the clients' holdouts
-    client_eval_count: int = 0
-    server_eval: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    clients: list[int] = field(default_factory=list)  # the clients averaged in
 
 
 class GuardedStrategy(fl.Strategy):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import types
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from enum import Enum
@@ -127,15 +128,20 @@ def field_type(schema: type, dotted: str) -> Any:
     return tp
 
 
+def _is_union(tp: Any) -> bool:
+    """``Optional[X]``/``Union[...]`` and ``X | None`` (a types.UnionType) alike."""
+    return get_origin(tp) in (Union, types.UnionType)
+
+
 def _strip_optional(tp: Any) -> Any:
-    if get_origin(tp) is Union:
+    if _is_union(tp):
         args = [a for a in get_args(tp) if a is not type(None)]
         return args[0] if len(args) == 1 else tp
     return tp
 
 
 def describe(tp: Any) -> str:
-    optional = get_origin(tp) is Union and type(None) in get_args(tp)
+    optional = _is_union(tp) and type(None) in get_args(tp)
     base = _strip_optional(tp)
     if isinstance(base, type) and issubclass(base, Enum):
         text = f"one of: {', '.join(e.value for e in base)}"

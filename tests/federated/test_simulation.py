@@ -35,9 +35,9 @@ def generated(tmp_path_factory):
 
 def test_population_is_made_on_demand_deterministic_and_disjoint_from_the_clouds(generated):
     cfg, paths = generated
-    from pipeline import training
+    from pipeline import inputs
 
-    train, test = training.load_split(paths, "global_train"), training.load_split(paths, "global_test")
+    train, test = inputs.load_split(paths, "global_train"), inputs.load_split(paths, "global_test")
     pool = users.client_pool(train, test)
     cloud = {r.tobytes() for r in np.concatenate([train.x, test.x])}
     assert not any(r.tobytes() in cloud for r in pool[0])

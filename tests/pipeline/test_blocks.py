@@ -11,7 +11,7 @@ import pytest
 
 from odt_ops.api import CheckpointState, ConstantLRScheduler, Module, Optimizer
 from odt_ops.onnxblock import Block, loss, optim
-from pipeline import generate, models, training
+from pipeline import generate, inputs, models
 from pipeline.paths import Paths
 from tests.pipeline.conftest import REPO, load_cfg
 
@@ -52,7 +52,7 @@ def test_each_option_generates_artifacts_that_train(loss_option, optimizer_optio
     assert meta["kind"] == block.pop("_target_").rsplit(".", 1)[1]  # the configured class built the graph ...
     assert {k: meta["hyperparameters"][k] for k in block} == block  # ... with conf/'s arguments baked in
     x, y = batch
-    t = training.target_encoder(gen.training_model)(y)
+    t = inputs.target_encoder(gen.training_model)(y)
     assert (t.ndim == 1) == (loss_option == "cross_entropy")  # class ids for cross-entropy, one-hot rows otherwise
     state = CheckpointState.load_checkpoint(gen.checkpoint)
     module = Module(gen.training_model, state, gen.eval_model)
