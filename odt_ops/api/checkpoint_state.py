@@ -60,6 +60,9 @@ class _PairView:
     def _names(self) -> list[str]:
         raise NotImplementedError
 
+    def __getitem__(self, name: str) -> object:
+        raise NotImplementedError
+
     def __iter__(self) -> Iterator[tuple[str, object]]:
         for name in self._names():
             yield name, self[name]

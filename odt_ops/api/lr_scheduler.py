@@ -20,7 +20,9 @@ class LRScheduler:
         self.initial_lr = float(initial_lr)
         self._step = 0
         optimizer.set_learning_rate(self.factor(0) * self.initial_lr)
-        optimizer.training_state.optimizer.initial_learning_rate = self.initial_lr
+        progress = optimizer.training_state.optimizer
+        assert progress is not None, "an Optimizer sets the optimizer state when it is built"
+        progress.initial_learning_rate = self.initial_lr
 
     def factor(self, step: int) -> float:
         raise NotImplementedError

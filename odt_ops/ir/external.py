@@ -70,7 +70,8 @@ def resolve(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> Exte
             "or as a ModelProto has no folder to find it in; pass base_dir= (the folder holding the data file) or load "
             "the model from its path")
     real = confined.resolve_inside(base_dir, location, ModelLoadError, f"{source}: external data of initializer {name!r}")
-    offset, length = (_count(info.get(k, "0" if k == "offset" else None), k, name, source) for k in ("offset", "length"))
+    offset = _count(info.get("offset", "0"), "offset", name, source) or 0  # absent: the file's start
+    length = _count(info.get("length"), "length", name, source)
     dtype, shape = tensor_dtype(tensor, source), tensor_shape(tensor, source)
     if dtype.hasobject:
         raise ModelLoadError(f"{source}: initializer {name!r} is a string tensor with external data; odt_ops reads "

@@ -109,4 +109,4 @@ def sweeps(overrides: Sequence[str]) -> list[str]:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException:
         return []
-    return [o.input_line for o in parsed if o.is_sweep_override()]
+    return [o.input_line or "" for o in parsed if o.is_sweep_override()]

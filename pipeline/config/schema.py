@@ -131,7 +131,7 @@ def config_class() -> type:
             if section in sections:
                 raise TypeError(f"config section {section!r} is declared by pipeline.{sections[section][1]} and pipeline.{name}")
             sections[section] = (spec, name)
-    specs = [("seed", int, field(default=MISSING))]
+    specs: list[tuple[str, Any, Any]] = [("seed", int, field(default=MISSING))]
     for section, (spec, _) in sections.items():
         if isinstance(spec, Blocks):
             specs.append((section, dict[str, Any], spec.field()))
