@@ -34,10 +34,11 @@ import numpy as np
 from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import OptimizerState, load_checkpoint
 from odt_ops.errors import CheckpointError
-from pipeline import inputs, loop, optimizer
+from pipeline import inputs, loop
 from pipeline.config import MISSING, Section
 from pipeline.errors import ConfigError, DataError
 from pipeline.io import atomic_write_text, nest, sha256_file, write_json
+from pipeline.optimizer import OptimizerConfig, scheduler
 from pipeline.paths import Artifacts, Paths
 from pipeline.tracking import NO_TRACKING, NullRun
 
@@ -81,7 +82,7 @@ class DeviceConfig(Section):
         self.need(self.max_seconds is None or self.max_seconds > 0, "max_seconds", "null or a number > 0")
 
 
-CONFIG = {"optimizer": optimizer.OptimizerConfig, "train": TrainConfig, "device": DeviceConfig}
+CONFIG = {"optimizer": OptimizerConfig, "train": TrainConfig, "device": DeviceConfig}
 
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
@@ -98,7 +99,7 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     t, dv = cfg.train, cfg.device
     per_epoch = loop.steps_per_epoch(len(split), dv.batch_size)
     total = t.epochs * per_epoch if dv.max_steps is None else min(t.epochs * per_epoch, dv.max_steps)
-    lr_scheduler = optimizer.scheduler(optimizer, cfg.optimizer, total)
+    lr_scheduler = scheduler(optimizer, cfg.optimizer, total)
 
     out = paths.out("train")
     (out / "checkpoints").mkdir(parents=True, exist_ok=True)
