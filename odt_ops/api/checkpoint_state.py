@@ -134,7 +134,7 @@ class Properties(_PairView):
         del self._props[key]
 
 
-def _refuse_non_finite(ckpt: Checkpoint, path, include_optimizer_state: bool) -> None:
+def _refuse_non_finite(ckpt: Checkpoint, path, source: str, include_optimizer_state: bool) -> None:
     """Raise, naming them, when parameters, buffers or (saved) optimizer states hold NaN or
     infinities: a checkpoint that cannot train any more is better not written over a good one."""
     arrays = [(n, a) for n, a in (*ckpt.parameters.items(), *ckpt.buffers.items()) if n not in ckpt.missing]
@@ -144,8 +144,9 @@ def _refuse_non_finite(ckpt: Checkpoint, path, include_optimizer_state: bool) ->
            if np.asarray(a).dtype.kind in "fc" and not np.all(np.isfinite(a))]
     if bad:
         listed = ", ".join(f"{n!r} ({k} values)" for n, k in bad[:8]) + (", ..." if len(bad) > 8 else "")
-        raise NonFiniteValueError(f"{path}: not saved: {listed} hold NaN or infinite values; training diverged "
-                                  "before this point. Load the last good checkpoint and lower the learning rate")
+        raise NonFiniteValueError(f"{path}: not saved: {listed} hold NaN or infinite values (the state loaded from "
+                                  f"{source}, trained since); training diverged before this point, or those values came "
+                                  "with it. Load the last good checkpoint and lower the learning rate")
 
 
 class CheckpointState:
@@ -162,7 +163,7 @@ class CheckpointState:
     @classmethod
     def save_checkpoint(cls, state: CheckpointState, checkpoint_uri: str | os.PathLike, include_optimizer_state: bool = False) -> None:
         state.training_state.sync()
-        _refuse_non_finite(state.training_state.checkpoint, checkpoint_uri, include_optimizer_state)
+        _refuse_non_finite(state.training_state.checkpoint, checkpoint_uri, state.training_state.source, include_optimizer_state)
         save_checkpoint(state.training_state.checkpoint, checkpoint_uri, include_optimizer_state=include_optimizer_state)
 
     @property

@@ -24,6 +24,7 @@ from odt_ops.domain import is_default, opset_versions
 from odt_ops.errors import ArtifactError, EmptyBatchError, InputError, ModelCheckError, TrainingDivergedError, UnsupportedOpError
 from odt_ops.ir.load import check_artifact, read_model
 from odt_ops.ir.model import Model, tensor_to_array
+from odt_ops.ir.modes import set_inference_mode
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
 
@@ -37,6 +38,16 @@ class ContiguousParameters(np.ndarray):
 
     def device_name(self) -> str:
         return "Cpu"
+
+
+def _as_run_for_evaluation(model: Model) -> Model:
+    """A copy of the eval model in inference mode, for onnx.checker: eval models of earlier
+    releases kept BatchNormalization in training mode with one output, which the checker refuses
+    and which evaluation and export run as inference anyway (odt_ops/export.py does the same)."""
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model.proto)
+    set_inference_mode(proto.graph)
+    return Model(proto, source=model.source, base_dir=model.base_dir)
 
 
 def _transposed_weights(graph: onnx.GraphProto, names: Sequence[str]) -> frozenset[str]:
@@ -133,7 +144,7 @@ class Module:
         self._eval_proto = None
         if eval_model_uri is not None:
             ev = read_model(eval_model_uri)
-            check_artifact(ev)
+            check_artifact(_as_run_for_evaluation(ev))
             self._eval_proto = ev.proto
             self._eval_source = ev.source  # named by the export's errors
             self._eval_info = meta.read(ev.proto, ev.source)
