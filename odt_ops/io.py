@@ -38,11 +38,12 @@ def _remove_stale_temporaries(path: Path) -> None:
     """Temp files of ``path`` whose writer died (killed mid-write: the rename never happened)."""
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             tmp.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a temp file's or a swap's writer)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

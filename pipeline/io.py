@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from odt_ops.io import atomic_write_bytes, atomic_writer
+from odt_ops.io import atomic_write_bytes, atomic_writer, process_alive
 from pipeline.errors import DataError
 
 
@@ -189,19 +189,9 @@ def _leftovers(target: Path, kind: str) -> list[Path]:
     found = []
     for p in target.parent.glob(f".{glob.escape(target.name)}.{kind}-*"):
         pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+        if pid.isdigit() and (int(pid) == os.getpid() or not process_alive(int(pid))):
             found.append(p)
     return sorted(found, key=lambda p: p.stat().st_mtime_ns)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_tree(directory: Path) -> None:

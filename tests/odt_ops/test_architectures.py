@@ -152,6 +152,16 @@ def match_parameters(proto: onnx.ModelProto, module: nn.Module) -> dict[str, str
     return matched
 
 
+def matched_parameters(proto: onnx.ModelProto, reference: nn.Module) -> tuple[dict[str, str], dict]:
+    """match_parameters() and layouts(), once every torch parameter is found in an initializer."""
+    matched = match_parameters(proto, reference)
+    forms = layouts(reference)
+    covered = {p for key in matched.values() for p in forms[key][0]}
+    missing = sorted(set(dict(reference.named_parameters())) - covered)
+    assert not missing, f"torch parameters no initializer holds: {missing}"
+    return matched, forms
+
+
 # ---- the test ----------------------------------------------------------------------------------
 
 CASES = [pytest.param(a, how, id=f"{a.name}-{how}", marks=[
@@ -171,11 +181,7 @@ def test_trains_like_torch(arch: Architecture, how: str, exported, tmp_path):
         assert recurrent, "no sequence_lens"
         assert all(len(n.input) > 4 and n.input[4] for n in recurrent), "no sequence_lens"
     reference = arch.build()
-    matched = match_parameters(proto, reference)
-    forms = layouts(reference)
-    covered = {p for key in matched.values() for p in forms[key][0]}
-    missing = sorted(set(dict(reference.named_parameters())) - covered)
-    assert not missing, f"torch parameters no initializer holds: {missing}"
+    matched, forms = matched_parameters(proto, reference)
     trainable = sorted(matched)
 
     # pre-flight, then the artifacts (AdamW with torch.optim.AdamW's arithmetic)
