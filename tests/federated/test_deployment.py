@@ -1,4 +1,5 @@
-"""The README's deployment recipe, run as written: the ```bash block under "Deployment: a
+"""The README's Flower commands, run as written. `flwr run .` (the simulation): the first two
+lines of the ```bash block under "With Flower's own tools". The deployment recipe: the ```bash block under "Deployment: a
 SuperLink and SuperNodes" is taken from README.md and run by bash from the checkout, on
 127.0.0.1 (a SuperLink, three SuperNodes as separate processes, `flwr run . local-deployment`).
 Only the environment differs from a user's shell: Flower's config in a temporary FLWR_HOME,
@@ -91,3 +92,59 @@ def test_readme_deployment_recipe_runs_as_written(workspace, tmp_path):
     assert listing.returncode != 0
     assert (home / "config.toml").read_text().count("[superlink.local-deployment]") == 1
     assert not any(port_taken(p) for p in PORTS), "the recipe's last line left a process listening"
+
+
+SIMULATION_HEADING = "### With Flower's own tools: `flwr run .`"
+LOCAL_SUPERLINK_PORTS = (39091, 39092, 39093)  # where `flwr run .` starts Flower's local SuperLink
+
+
+def _simulation_lines() -> list[str]:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index(SIMULATION_HEADING):]
+    match = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert match, f"no ```bash block under {SIMULATION_HEADING!r} in README.md"
+    return [line for line in match.group(1).splitlines() if line.strip()]
+
+
+def _stop_processes_with(env_key: str, value: str) -> None:
+    """Stop every process whose environment has ``env_key=value`` (the local SuperLink that
+    `flwr run .` leaves running, in its own session, for the next run)."""
+    wanted = f"{env_key}={value}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if wanted in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_readme_flwr_run_simulation_runs_as_written(workspace, tmp_path):
+    """`flwr run .` as the README writes it (its first two lines: the venv, then a run of ten
+    simulated SuperNodes) runs our ServerApp and ClientApps to the end; the oracle is the
+    ServerApp's own streamed per-round lines."""
+    if not (REPO / ".venv" / "bin" / "activate").is_file():
+        pytest.skip("the README activates the checkout's .venv, which this checkout lacks (the README's commands make it)")
+    busy = [p for p in LOCAL_SUPERLINK_PORTS if port_taken(p)]
+    if busy:
+        pytest.skip(f"Flower's local SuperLink ports {busy} are in use on 127.0.0.1 (a `flwr run .` left running?)")
+    home = tmp_path / "flwr_home"
+    env = {**os.environ, "FLWR_HOME": str(home), "ODT_PROJECT_ROOT": str(workspace), "FLWR_TELEMETRY_ENABLED": "0",
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    activate, first_run = _simulation_lines()[:2]
+    assert first_run == 'flwr run . --stream --federation-config "num-supernodes=10"'
+    proc = subprocess.Popen(["bash", "-c", f"set -e\n{activate}\n{first_run}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(proc.pid, signal.SIGKILL)
+        _stop_processes_with("FLWR_HOME", str(home))
+    assert proc.returncode == 0, out[-4000:]
+    rounds = re.findall(r"round (\d+)/(\d+): (\d+)/(\d+) clients succeeded; clients' accuracy [\d.]+ \((\d+) evaluated\)", out)
+    assert rounds, out[-4000:]
+    total = int(rounds[0][1])
+    assert [int(r[0]) for r in rounds] == list(range(1, total + 1)), out[-4000:]
+    assert all(r[2] == r[3] for r in rounds), rounds  # every sampled client's update averaged in
+    assert all(r[4] == "10" for r in rounds), rounds  # the ten simulated SuperNodes evaluated, every round
