@@ -30,12 +30,35 @@ HEADING = "### Deployment: a SuperLink and SuperNodes"
 PORTS = (9092, 9101, 9102, 9103)  # the recipe's SuperLink and SuperNodes
 
 
-def recipe() -> str:
+def bash_block(heading: str) -> str:
+    """The first ```bash block under ``heading`` in README.md."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index(HEADING):]
+    section = readme[readme.index(heading):]
     match = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert match, f"no ```bash block under {HEADING!r} in README.md"
+    assert match, f"no ```bash block under {heading!r} in README.md"
     return match.group(1)
+
+
+def recipe() -> str:
+    return bash_block(HEADING)
+
+
+def flower_env(home: Path, workspace: Path, **extra: str) -> dict[str, str]:
+    """A user's shell but for Flower's config home and the test-size workspace."""
+    return {**os.environ, "FLWR_HOME": str(home), "ODT_PROJECT_ROOT": str(workspace), "FLWR_TELEMETRY_ENABLED": "0",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **extra}
+
+
+def run_in_own_session(script: str, env: dict[str, str], timeout: float = 420) -> tuple[int, str]:
+    """``bash -c script`` from the checkout in its own session, killed with all it started."""
+    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
 
 
 def port_taken(port: int) -> bool:
@@ -71,18 +94,10 @@ def test_readme_deployment_recipe_runs_as_written(workspace, tmp_path):
     if busy:
         pytest.skip(f"the recipe's ports {busy} are in use on 127.0.0.1 (another SuperLink?)")
     home = tmp_path / "flwr_home"
-    env = {**os.environ, "FLWR_HOME": str(home), "ODT_PROJECT_ROOT": str(workspace), "FLWR_TELEMETRY_ENABLED": "0",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    script = "set -e\n" + recipe()
+    env = flower_env(home, workspace, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     # its own session: whatever the recipe leaves running is stopped with it
-    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=420)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
+    returncode, out = run_in_own_session("set -e\n" + recipe(), env)
+    assert returncode == 0, out[-4000:]
     rounds = re.findall(r"round (\d+)/2: (\d+)/(\d+) clients succeeded; clients' accuracy [\d.]+ \((\d+) evaluated\)", out)
     assert [r[0] for r in rounds] == ["1", "2"], out[-4000:]
     assert all(r[1:] == ("3", "3", "3") for r in rounds), rounds  # every SuperNode trained and evaluated, every round
@@ -99,11 +114,7 @@ LOCAL_SUPERLINK_PORTS = (39091, 39092, 39093)  # where `flwr run .` starts Flowe
 
 
 def _simulation_lines() -> list[str]:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index(SIMULATION_HEADING):]
-    match = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert match, f"no ```bash block under {SIMULATION_HEADING!r} in README.md"
-    return [line for line in match.group(1).splitlines() if line.strip()]
+    return [line for line in bash_block(SIMULATION_HEADING).splitlines() if line.strip()]
 
 
 def _stop_processes_with(env_key: str, value: str) -> None:
@@ -129,19 +140,13 @@ def test_readme_flwr_run_simulation_runs_as_written(workspace, tmp_path):
     if busy:
         pytest.skip(f"Flower's local SuperLink ports {busy} are in use on 127.0.0.1 (a `flwr run .` left running?)")
     home = tmp_path / "flwr_home"
-    env = {**os.environ, "FLWR_HOME": str(home), "ODT_PROJECT_ROOT": str(workspace), "FLWR_TELEMETRY_ENABLED": "0",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     activate, first_run = _simulation_lines()[:2]
     assert first_run == 'flwr run . --stream --federation-config "num-supernodes=10"'
-    proc = subprocess.Popen(["bash", "-c", f"set -e\n{activate}\n{first_run}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=420)
+        returncode, out = run_in_own_session(f"set -e\n{activate}\n{first_run}", flower_env(home, workspace))
     finally:
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.killpg(proc.pid, signal.SIGKILL)
         _stop_processes_with("FLWR_HOME", str(home))
-    assert proc.returncode == 0, out[-4000:]
+    assert returncode == 0, out[-4000:]
     rounds = re.findall(r"round (\d+)/(\d+): (\d+)/(\d+) clients succeeded; clients' accuracy [\d.]+ \((\d+) evaluated\)", out)
     assert rounds, out[-4000:]
     total = int(rounds[0][1])
