@@ -47,6 +47,7 @@ class Site:
     master: str | None = None  # the float master copy of a quantized weight
     quantized: str | None = None  # the int initializer it replaced
     quantize: str | None = None  # the QuantizeLinear node that re-quantizes the master
+    scale_input: str | None = None  # a computed scale (DynamicQuantizeLinear's) the DequantizeLinear read before
 
 
 def prepare(model: Model, *, weights: bool = True, activations: bool = True, learn_scales: bool = False) -> tuple[Model, list[Site]]:
@@ -74,11 +75,15 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True, lea
         if node.op_type != "DequantizeLinear" or not is_default(node.domain):
             continue
         x = node.input[0]
+        q = producer.get(x)
+        if x not in inits and node.input[1] not in inits and q is not None and q.op_type == "QuantizeLinear":
+            if activations:  # quantized with its batch's own statistics: DynamicQuantizeLinear (expanded at load)
+                sites.append(_dynamic_site(node, q, graph, fresh, before, after))
+            continue
         attrs = node_attributes(node)
         axis, block = int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))
         scale = _const(inits, node.input[1], node)
         zp = _const(inits, node.input[2], node) if len(node.input) > 2 and node.input[2] else None
-        q = producer.get(x)
         master = quantized = quantize = None
         if x in inits:
             stored = numpy_helper.to_array(inits[x])
@@ -173,7 +178,9 @@ def _straight_through(node: onnx.NodeProto, source: str, bounds, graph, fresh, f
     the range, added by a term that is 0.0 forward: (s - stop_gradient(s)) * stop_gradient(-x/s)."""
     e = _Emitter(graph, fresh, node.name)
     dq = node.output[0]
-    if lsq is None:
+    if isinstance(bounds[0], str):  # computed in the graph (a dynamic site's)
+        lo, hi = bounds
+    elif lsq is None:
         lo, hi = e.const(bounds[0], "lo"), e.const(bounds[1], "hi")
     else:
         scale, (k_lo, k_hi) = lsq
@@ -189,6 +196,38 @@ def _straight_through(node: onnx.NodeProto, source: str, bounds, graph, fresh, f
     lsq_term = e.op("Mul", [e.op("Sub", [scale, frozen_scale], "scale_zero"), e.stop_gradient(g, "g")], "lsq")
     e.op("Add", [e.op("Add", [dq, zero], "ste_x"), lsq_term], "ste", output=final)
     return e.nodes
+
+
+def _dynamic_site(node: onnx.NodeProto, q: onnx.NodeProto, graph, fresh, before, after) -> Site:
+    """The STE for an activation quantized with its batch's scale and zero point (computed in the
+    graph from the batch's min and max, as DynamicQuantizeLinear specifies). The DequantizeLinear
+    and the clip range read the scale through a stop-gradient: as torch's fake quantization takes
+    its observer's statistics, the scale is a constant to the gradient, which is then exactly the
+    straight-through estimator's (the range holds the batch, so nothing but a rounding edge clips)."""
+    if len(node.input) < 3 or not node.input[2]:
+        raise QuantizationError(f"DequantizeLinear node {node.name!r}: a computed scale without a zero point is not the layout "
+                                "DynamicQuantizeLinear writes; odt_ops fine-tunes computed scales only as quantize_dynamic writes them")
+    qmin, qmax = integer_range(np.dtype(_elem_dtype(graph, node.input[0])))
+    e = _Emitter(graph, fresh, node.name)
+    scale_input = node.input[1]
+    frozen = e.stop_gradient(scale_input, "scale")
+    node.input[1] = frozen
+    zp = e.op("Cast", [node.input[2]], "zero_point", to=onnx.TensorProto.FLOAT)
+    lo = e.op("Mul", [e.op("Sub", [e.const(np.array(qmin - 0.5, np.float32), "qmin"), zp], "lo_steps"), frozen], "lo")
+    hi = e.op("Mul", [e.op("Sub", [e.const(np.array(qmax + 0.5, np.float32), "qmax"), zp], "hi_steps"), frozen], "hi")
+    before.setdefault(node.name, []).extend(e.nodes)
+    final = node.output[0]
+    node.output[0] = fresh(f"{final}/quantized")
+    nodes = _straight_through(node, q.input[0], (lo, hi), graph, fresh, final)
+    after[node.name] = nodes
+    return Site(node.name, node.output[0], final, [*(n.name for n in e.nodes), *(n.name for n in nodes)], scale_input=scale_input)
+
+
+def _elem_dtype(graph: onnx.GraphProto, value: str) -> np.dtype:
+    """The element type shape inference gave ``value`` (uint8, DynamicQuantizeLinear's, if unknown)."""
+    info = next((v for v in graph.value_info if v.name == value), None)
+    elem = info.type.tensor_type.elem_type if info is not None else 0
+    return helper.tensor_dtype_to_np_dtype(elem) if elem else np.dtype(np.uint8)
 
 
 def _learned_scale(node, scale: np.ndarray, zp, dtype, shape, axis: int, block: int, graph, fresh, before) -> tuple[str, tuple]:

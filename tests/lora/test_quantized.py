@@ -214,25 +214,6 @@ def test_qat_on_a_float_model_is_a_typed_error(tmp_path):
         artifacts.generate_artifacts(export(make("cnn"), x), loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path, qat=True)
 
 
-def test_quantize_dynamic_integer_ops_are_a_typed_error_naming_the_nodes(tmp_path):
-    """quantize_dynamic writes onnxruntime's integer-op format (DynamicQuantizeLinear, MatMulInteger), not QDQ:
-    the error lists every such node at once and says which format fine-tunes."""
-    from odt_ops.errors import UnsupportedOpError
-
-    x, _ = data("cnn", 4)
-    src, dst = tmp_path / "float.onnx", tmp_path / "dynamic.onnx"
-    onnx.save(export(make("cnn"), x, folded=True), src)
-    quantize_dynamic = pytest.importorskip("onnxruntime.quantization").quantize_dynamic
-    quantize_dynamic(str(src), str(dst))
-    with pytest.raises(UnsupportedOpError) as info:
-        artifacts.generate_artifacts(str(dst), loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path / "art")
-    message = str(info.value)
-    integer_ops = sorted({n.op_type for n in onnx.load(str(dst)).graph.node if n.op_type.endswith("Integer")})
-    assert integer_ops, message
-    assert all(op in message for op in integer_ops), message
-    assert "QuantFormat.QDQ" in message, message
-
-
 @pytest.mark.parametrize("dtype,per_channel", [("int8", True), ("uint8", False)])
 def test_learned_scales_get_lsq_gradients_as_torch_learnable_fake_quant(dtype, per_channel, tmp_path):
     """qat="lsq": every scale trains, with the gradient of torch._fake_quantize_learnable_per_*_affine
