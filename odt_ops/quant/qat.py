@@ -4,12 +4,13 @@ Every DequantizeLinear on the way to the loss cuts the gradient (its input is an
 integer tensor). ``prepare`` makes each one differentiable the way quantization-aware
 training does, without leaving ai.onnx:
 
-    c = Max(Min(x, hi), lo)          lo, hi = (qmin - zp -+ 0.5) * scale: the values that
-    y = DequantizeLinear(QuantizeLinear(x)) + (c - stop_gradient(c))   round into [qmin, qmax]
+    inside = lo < x < hi             lo, hi = (qmin - zp -+ 0.5) * scale: the values that
+    y = DequantizeLinear(QuantizeLinear(x)) + Where(inside, x - stop_gradient(x), 0)
+                                     round into [qmin, qmax]
 
-(stop_gradient made of standard ops, exact on float32: see _EXACT). ``y`` equals the
-fake-quantized x exactly (c - stop_gradient(c) is 0.0), and its gradient is the straight-through estimator: 1 where x rounds inside the clip range, 0
-outside it (torch.fake_quantize_per_{tensor,channel}_affine's gradient). For an activation
+(stop_gradient made of standard float32 ops, exact: see _COARSE). ``y`` equals the
+fake-quantized x exactly (the Where is 0.0), and its gradient is the straight-through
+estimator: 1 where x rounds inside the clip range, 0 outside it (torch.fake_quantize_per_{tensor,channel}_affine's gradient). For an activation
 x is the QuantizeLinear's input; for a quantized weight (``weights=True``: QAT) the int
 weight is replaced by a float master copy (its dequantized value) that trains and is
 re-quantized by a new QuantizeLinear with the model's scale and zero point. With
@@ -137,10 +138,14 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True, lea
     return load_model(prepared), sites
 
 
-# every float32 is a multiple of 2**-149: scaled by 2**149 in float64 it is an integer, which
-# Round leaves as it is, so this chain is the identity on float32 values, and (Round's gradient
-# being zero) a stop-gradient made of standard ops
-_EXACT = 2.0 ** 149
+# A stop-gradient made of standard float32 ops, exact for |v| < 2**107 (every value it meets: a
+# clip range, a scale, an activation inside its range): coarse = v rounded to a multiple of 2**-21
+# (v * 2**21 fits float32), then the remainder v - coarse (exact: both are multiples of v's ulp,
+# and |remainder| <= 2**-22) is a multiple of 2**-149, so scaled by 2**149 (in two steps: 2**149
+# is no float32) it is an integer that Round leaves as it is. coarse + remainder is v exactly, and
+# Round's gradient is zero, so no gradient passes. (Before: one float64 chain, twice the bytes.)
+_COARSE = 2.0 ** 21
+_FINE = (2.0 ** 75, 2.0 ** 74)
 
 
 class _Emitter:
@@ -159,12 +164,17 @@ class _Emitter:
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(f"{self.stem}/ste_{hint}"), **attrs))
         return out
 
+    def scaled(self, value: str, factors, hint: str) -> str:
+        for i, f in enumerate(factors):
+            value = self.op("Mul", [value, self.const(np.array(f, np.float32), f"{hint}{i}")], f"{hint}{i}")
+        return value
+
     def stop_gradient(self, value: str, hint: str) -> str:
-        """``value`` itself (float32, exactly), with no gradient: see _EXACT."""
-        wide = self.op("Cast", [value], f"{hint}_wide", to=onnx.TensorProto.DOUBLE)
-        scaled = self.op("Mul", [wide, self.const(np.array(_EXACT), f"{hint}_up")], f"{hint}_scaled")
-        back = self.op("Mul", [self.op("Round", [scaled], f"{hint}_round"), self.const(np.array(1 / _EXACT), f"{hint}_down")], f"{hint}_back")
-        return self.op("Cast", [back], f"{hint}_frozen", to=onnx.TensorProto.FLOAT)
+        """``value`` itself (float32, exactly, |value| < 2**107), with no gradient: see _COARSE."""
+        coarse = self.scaled(self.op("Round", [self.scaled(value, [_COARSE], f"{hint}_up")], f"{hint}_round"), [1 / _COARSE], f"{hint}_down")
+        rest = self.op("Sub", [value, coarse], f"{hint}_rest")
+        fine = self.op("Round", [self.scaled(rest, _FINE, f"{hint}_rest_up")], f"{hint}_rest_round")
+        return self.op("Add", [coarse, self.scaled(fine, [1 / f for f in _FINE], f"{hint}_rest_down")], f"{hint}_frozen")
 
 
 def _straight_through(node: onnx.NodeProto, source: str, bounds, graph, fresh, final: str, lsq=None) -> list:
@@ -186,11 +196,16 @@ def _straight_through(node: onnx.NodeProto, source: str, bounds, graph, fresh, f
         scale, (k_lo, k_hi) = lsq
         frozen_scale = e.stop_gradient(scale, "scale")
         lo, hi = e.op("Mul", [frozen_scale, e.const(k_lo, "k_lo")], "lo"), e.op("Mul", [frozen_scale, e.const(k_hi, "k_hi")], "hi")
-    clipped = e.op("Max", [e.op("Min", [source, hi], "upper"), lo], "clipped")
-    zero = e.op("Sub", [clipped, e.stop_gradient(clipped, "clip")], "zero")
     if lsq is None:
+        # zero = Where(inside, x - stop_gradient(x), 0): its gradient keeps one boolean per value
+        # for the backward, where a clip (Min, Max) keeps two float32 copies of x
+        inside = e.op("And", [e.op("Greater", [source, lo], "above"), e.op("Less", [source, hi], "below")], "inside")
+        through = e.op("Sub", [source, e.stop_gradient(source, "x")], "through")
+        zero = e.op("Where", [inside, through, e.const(np.array(0, np.float32), "nothing")], "zero")
         e.op("Add", [dq, zero], "ste", output=final)
         return e.nodes
+    clipped = e.op("Max", [e.op("Min", [source, hi], "upper"), lo], "clipped")
+    zero = e.op("Sub", [clipped, e.stop_gradient(clipped, "clip")], "zero")
     inside = e.op("Cast", [e.op("Equal", [clipped, source], "inside_bool")], "inside", to=onnx.TensorProto.FLOAT)
     g = e.op("Div", [e.op("Neg", [e.op("Mul", [inside, source], "x_inside")], "minus_x"), frozen_scale], "g")
     lsq_term = e.op("Mul", [e.op("Sub", [scale, frozen_scale], "scale_zero"), e.stop_gradient(g, "g")], "lsq")
