@@ -116,8 +116,9 @@ def _only_reader(value: str, readers, op_type: str) -> onnx.NodeProto | None:
 
 def _scales(scales: onnx.NodeProto, x_q: str, w_q: str, producer, inits, where: str) -> tuple[str, str]:
     """(x's scale, the weight's scale): the DynamicQuantizeLinear's scale output and an initializer."""
-    x_scale = producer[x_q].output[1]
-    if x_scale not in scales.input:
+    source = producer[x_q]
+    x_scale = source.output[1] if len(source.output) > 1 else ""
+    if not x_scale or x_scale not in scales.input:
         raise QuantizationError(f"{where}: the scales' Mul {scales.name!r} does not read {x_scale!r}, the scale of its input {x_q!r}")
     w_scale = next(i for i in scales.input if i != x_scale) if list(scales.input).count(x_scale) == 1 else x_scale
     if w_scale not in inits:

@@ -16,7 +16,7 @@ import pytest
 from odt_ops import InferenceSession, artifacts
 from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.errors import LoraError
-from odt_ops.lora import LoraConfig, export_merged, read_adapters
+from odt_ops.lora import LoraConfig, export_adapter, export_adapter_base, export_merged, read_adapters
 from odt_ops.onnxblock import optim
 from tests.lora.torch_models import export, nn, torch
 
@@ -112,6 +112,16 @@ def test_grouped_conv_lora_matches_a_grouped_torch_twin_and_merges_exactly(tmp_p
     np.testing.assert_allclose(theirs, engine, rtol=1e-4, atol=1e-5 * float(np.abs(engine).max()))
     with torch.no_grad():
         np.testing.assert_allclose(theirs, model_t(torch.from_numpy(x)).numpy(), rtol=1e-4, atol=1e-5 * float(np.abs(engine).max()))
+    # the grouped A and B as onnxruntime's adapter file, on the base whose adapter inputs default to zero
+    export_adapter_base(paths["eval_model"], state.checkpoint, tmp_path / "base.onnx")
+    export_adapter(paths["eval_model"], state.checkpoint, tmp_path / "user.onnx_adapter")
+    adapter = ort.LoraAdapter()
+    adapter.Load(str(tmp_path / "user.onnx_adapter"))
+    run = ort.RunOptions()
+    run.add_active_adapter(adapter)
+    options.log_severity_level = 3  # the adapter inputs are overridable initializers: that is the point
+    server = ort.InferenceSession(str(tmp_path / "base.onnx"), options, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(server.run(None, {"x": x}, run)[0], engine, rtol=1e-4, atol=1e-5 * float(np.abs(engine).max()))
 
 
 def test_a_glob_naming_a_conv_whose_groups_cannot_hold_the_rank_is_an_error_naming_it(tmp_path):
