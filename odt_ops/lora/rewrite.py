@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -154,7 +155,7 @@ def _adapter_nodes(node: onnx.NodeProto, t: Target, a: str, b: str, scale: str, 
     xa, xab = fresh(f"{stem}/xA"), fresh(f"{stem}/xAB")
     if t.kind == "Conv":
         conv_attrs = {at.name: helper.get_attribute_value(at) for at in node.attribute if at.name in ("strides", "pads", "dilations", "auto_pad")}
-        grouped = {"group": t.group} if t.group > 1 else {}
+        grouped: dict[str, Any] = {"group": t.group} if t.group > 1 else {}
         nodes.append(helper.make_node("Conv", [x, a], [xa], name=fresh(f"{stem}/A"), **conv_attrs, **grouped))
         nodes.append(helper.make_node("Conv", [xa, b], [xab], name=fresh(f"{stem}/B"), **grouped))
     else:
