@@ -48,6 +48,7 @@ def dequantize_integer_ops(model: Model) -> bool:
     taken |= {i.name for i in graph.input} | {o.name for o in graph.output}
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> what stands in its place (its position follows its inputs)
     dropped: set[int] = set()
+    dequantized: dict[tuple[str, str, str], str] = {}  # (x_q, scale, zero point) -> its DequantizeLinear's output
     for node in integer:
         where = f"{model.source}: {node.op_type} node {node.name!r}"
         cast, scaled, scales = _pattern(node, producer, readers, where)
@@ -64,12 +65,13 @@ def dequantize_integer_ops(model: Model) -> bool:
             raise QuantizationError(f"{where}: a per-channel ConvInteger weight scale {w_scale!r} is not the layout quantize_dynamic "
                                     "writes; quantize it per tensor (per_channel=False) or to the QDQ format")
         axis = 0 if node.op_type == "ConvInteger" else len(w_shape) - 1  # per output channel: a Conv's axis 0, a MatMul's columns
-        x_dq = unique_name(f"{x_q}/dequantized", taken)
+        first = (x_q, x_scale, x_zp) not in dequantized  # one DequantizeLinear (one STE later) per activation, however many read it
+        x_dq = dequantized.setdefault((x_q, x_scale, x_zp), unique_name(f"{x_q}/dequantized", taken))
         w_dq = unique_name(f"{w_q}/dequantized", taken)
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in _CONV_ATTRIBUTES}
         replaced[id(node)] = [
-            helper.make_node("DequantizeLinear", [x_q, x_scale, *([x_zp] if x_zp else [])], [x_dq],
-                             name=unique_name(f"{node.name}/dequantize_input", taken)),
+            *([helper.make_node("DequantizeLinear", [x_q, x_scale, *([x_zp] if x_zp else [])], [x_dq],
+                                name=unique_name(f"{node.name}/dequantize_input", taken))] if first else []),
             helper.make_node("DequantizeLinear", [w_q, w_scale, *([w_zp] if w_zp else [])], [w_dq], axis=axis,
                              name=unique_name(f"{node.name}/dequantize_weight", taken)),
             helper.make_node(INTEGER_OPS[node.op_type], [x_dq, w_dq], [scaled.output[0]], name=node.name, **attrs),
