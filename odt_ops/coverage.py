@@ -38,7 +38,10 @@ _RANDOM = "a random draw inside the model; the engine's one seeded generator ser
 
 NOT_SUPPORTED: dict[str, str] = {
     **dict.fromkeys(["BitCast", "BitShift", "BitwiseAnd", "BitwiseNot", "BitwiseOr", "BitwiseXor"], _INTEGER),
-    **dict.fromkeys(["ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul"], _QUANTIZED),
+    **dict.fromkeys(["QLinearConv", "QLinearMatMul"], _QUANTIZED),
+    **dict.fromkeys(["ConvInteger", "MatMulInteger"], "no kernel of its own: in onnxruntime's quantize_dynamic pattern (DynamicQuantizeLinear "
+                    "-> it -> Cast -> Mul by the scales) it is rewritten at load into DequantizeLinear + MatMul/Conv "
+                    "(odt_ops/quant/integer_ops.py), which fine-tunes; other uses are refused there, naming the node"),
     **dict.fromkeys(["ConcatFromSequence", "SequenceAt", "SequenceConstruct", "SequenceEmpty", "SequenceErase",
                      "SequenceInsert", "SequenceLength", "SplitToSequence", "Optional", "OptionalGetElement",
                      "OptionalHasElement"], _SEQUENCE),

@@ -285,7 +285,7 @@ def _memory_lora(model):
 
     rank = MEMORY_LORA["rank"]
     fits = [t.weight for t in find_candidates(load_model(model).graph).values()
-            if t.reason is None and min(t.in_features * int(np.prod(t.kernel, dtype=np.int64)), t.out_features) >= rank]
+            if t.reason is None and t.rank_limit >= rank]
     return LoraConfig(rank=rank, alpha=MEMORY_LORA["alpha"], targets=fits)
 
 

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from odt_ops.errors import ModelCheckError, ModelFileNotFoundError, ModelLoadError, UnsupportedOpError
 from odt_ops.ir import control_flow, external, functions, passes, recurrent
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model
+from odt_ops.quant.integer_ops import dequantize_integer_ops
 
 ModelSource = onnx.ModelProto | str | os.PathLike | bytes | Model
 
@@ -95,7 +96,7 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
             _convert(model, target_opset)
     # IR >= 4 lets initializers be plain constants (IR 3 typed them only as graph inputs)
     model.proto.ir_version = ir_version_for(model.opset)
-    for p in (functions.expand_function_ops, passes.inline_constant_nodes, passes.fold_constants, passes.unique_node_names,
+    for p in (dequantize_integer_ops, functions.expand_function_ops, passes.inline_constant_nodes, passes.fold_constants, passes.unique_node_names,
               recurrent.unroll_recurrent, control_flow.lower_control_flow):
         p(model)
     if batch_dim:

@@ -6,7 +6,11 @@ For a node ``y = op(x, W)`` the rewrite renames its output ``y/base`` and adds
 
 where op_A, op_B are MatMul (A: [in, r], B: [r, out]), Gemm (alpha folded into the scale),
 or for a Conv a convolution with the node's strides, pads and dilations by A
-([r, in, *kernel]) followed by a 1x1 convolution by B ([out, r, 1, 1]), as peft does. The
+([r, in, *kernel]) followed by a 1x1 convolution by B ([out, r, 1, 1]), as peft does. A
+grouped Conv (group=g, W: [out, in/g, *kernel]) keeps its groups: A is a grouped convolution
+([r*g, in/g, *kernel], group=g) and B a grouped 1x1 ([out, r, 1, 1], group=g), so each group's
+block of W gets its own rank-r update and the merge folds back into the grouped weight exactly
+(peft's A mixes every input channel, which no grouped weight can hold, so peft cannot merge it). The
 base weight is left exactly as stored (float, or int8/int4 behind a DequantizeLinear).
 What was added is recorded in the model's metadata (``odt.lora``), so the merged and the
 adapter exports can undo or fold it later.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -45,11 +50,14 @@ class Adapter:
     nodes: list[str]  # the adapted nodes (their output was renamed <output>/base)
     added: list[str]  # the nodes the rewrite added
     outputs: list[list[str]]  # per adapted node: [base output, final output]
+    group: int = 1  # a grouped Conv's groups (A and B are grouped convolutions)
 
     def delta(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """scale * A B in the stored weight's layout: what merging adds to the (dequantized) weight."""
-        if self.kind == "Conv":  # W[o, i, *k] += scale * sum_r B[o, r] A[r, i, *k]
-            return self.scale * np.tensordot(b.reshape(b.shape[0], b.shape[1]), a, axes=([1], [0]))
+        if self.kind == "Conv":  # group j's output channels o: W[o, i, *k] += scale * sum_r B[o, r] A[j*rank + r, i, *k]
+            g = self.group
+            blocks = np.matmul(b.reshape(g, b.shape[0] // g, b.shape[1]), a.reshape(g, a.shape[0] // g, -1))
+            return self.scale * blocks.reshape(b.shape[0], *a.shape[1:])
         d = self.scale * (a.astype(np.float64) @ b.astype(np.float64))
         return d.T if self.transposed else d
 
@@ -93,7 +101,8 @@ def add_adapters(model: Model, config: LoraConfig) -> tuple[Model, list[Adapter]
             inserts.setdefault(position[node_name], []).extend(new_nodes)
             added += [n.name for n in new_nodes]
             outputs.append(ends)
-        adapters.append(Adapter(t.weight, t.kind, a_name, b_name, scale, t.transposed, t.dequantize, list(t.nodes), added, outputs))
+        adapters.append(Adapter(t.weight, t.kind, a_name, b_name, scale, t.transposed, t.dequantize, list(t.nodes), added, outputs,
+                                group=t.group))
     nodes = []
     for i, node in enumerate(graph.node):
         nodes.append(node)
@@ -116,7 +125,7 @@ def _initial_values(t: Target, rank: int, rng: np.random.Generator) -> tuple[np.
     fan_in = t.in_features * int(np.prod(t.kernel, dtype=np.int64))
     bound = 1.0 / np.sqrt(fan_in)
     if t.kind == "Conv":
-        a = rng.uniform(-bound, bound, (rank, t.in_features, *t.kernel))
+        a = rng.uniform(-bound, bound, (rank * t.group, t.in_features, *t.kernel))  # in_features: a group's input channels
         b = np.zeros((t.out_features, rank) + (1,) * len(t.kernel))
     else:
         a = rng.uniform(-bound, bound, (t.in_features, rank))
@@ -146,8 +155,9 @@ def _adapter_nodes(node: onnx.NodeProto, t: Target, a: str, b: str, scale: str, 
     xa, xab = fresh(f"{stem}/xA"), fresh(f"{stem}/xAB")
     if t.kind == "Conv":
         conv_attrs = {at.name: helper.get_attribute_value(at) for at in node.attribute if at.name in ("strides", "pads", "dilations", "auto_pad")}
-        nodes.append(helper.make_node("Conv", [x, a], [xa], name=fresh(f"{stem}/A"), **conv_attrs))
-        nodes.append(helper.make_node("Conv", [xa, b], [xab], name=fresh(f"{stem}/B")))
+        grouped: dict[str, Any] = {"group": t.group} if t.group > 1 else {}
+        nodes.append(helper.make_node("Conv", [x, a], [xa], name=fresh(f"{stem}/A"), **conv_attrs, **grouped))
+        nodes.append(helper.make_node("Conv", [xa, b], [xab], name=fresh(f"{stem}/B"), **grouped))
     else:
         nodes.append(helper.make_node("MatMul", [x, a], [xa], name=fresh(f"{stem}/A")))
         nodes.append(helper.make_node("MatMul", [xa, b], [xab], name=fresh(f"{stem}/B")))

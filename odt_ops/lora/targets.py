@@ -34,6 +34,7 @@ class Target:
     transposed: bool = False  # the nodes multiply by the stored weight transposed
     dequantize: str | None = None  # the DequantizeLinear node between weight and nodes
     dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
+    group: int = 1  # a Conv's groups: the adapter keeps them (one rank-r update per group's block of W)
     reason: str | None = None  # why no adapter can sit here (None: it can)
     chain: set[str] = field(default_factory=set)  # values between the weight and its readers
 
@@ -52,6 +53,11 @@ class Target:
     @property
     def kernel(self) -> tuple[int, ...]:
         return tuple(int(d) for d in self.shape[2:]) if self.kind == "Conv" else ()
+
+    @property
+    def rank_limit(self) -> int:
+        """The largest useful rank: that of one group's block of the weight (the whole weight if ungrouped)."""
+        return min(self.in_features * int(np.prod(self.kernel, dtype=np.int64)), self.out_features // self.group)
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -80,15 +86,14 @@ def find_candidates(graph: onnx.GraphProto) -> dict[str, Target]:
         if node.op_type == "Gemm" and _attr(node, "transB", 0):
             transposed = not transposed
         init = inits[weight]
+        group = int(_attr(node, "group", 1)) if node.op_type == "Conv" else 1
         target = found.setdefault(weight, Target(weight, node.op_type, shape=tuple(init.dims), transposed=transposed,
-                                                 dequantize=dequantize, dtype=_float_type(init, dequantize, inits, producer)))
+                                                 dequantize=dequantize, dtype=_float_type(init, dequantize, inits, producer), group=group))
         target.nodes.append(node.name)
         if target.reason:
             continue
-        if (target.kind, target.transposed, target.dequantize) != (node.op_type, transposed, dequantize):
-            target.reason = f"it is read by nodes of different kinds or layouts ({target.nodes})"
-        elif node.op_type == "Conv" and _attr(node, "group", 1) != 1:
-            target.reason = f"Conv node {node.name!r} is grouped (group={_attr(node, 'group', 1)}); LoRA adapts group=1 convolutions"
+        if (target.kind, target.transposed, target.dequantize, target.group) != (node.op_type, transposed, dequantize, group):
+            target.reason = f"it is read by nodes of different kinds, layouts or groups ({target.nodes})"
         elif node.op_type != "Conv" and len(init.dims) != 2:
             target.reason = f"it is {len(init.dims)}-D; LoRA adapts 2-D weight matrices"
         elif node.op_type == "Gemm" and _attr(node, "transA", 0):
@@ -138,7 +143,9 @@ def select(graph: onnx.GraphProto, config: LoraConfig, source: str = "model") ->
     for pattern in config.targets:
         if pattern in ADAPTABLE_OPS:
             # an op type may select nothing (targets: [Gemm, Conv] suits an MLP and a CNN alike), as long as something is chosen
-            hits = [t for t in candidates.values() if t.kind == pattern and t.reason is None]
+            # a grouped Conv whose blocks cannot hold the rank (a depthwise conv's block is one output
+            # channel: rank 1) is left out of an op-type selection; a glob naming it is an error below
+            hits = [t for t in candidates.values() if t.kind == pattern and t.reason is None and (t.group == 1 or config.rank <= t.rank_limit)]
         else:
             matched = [t for t in candidates.values()
                        if fnmatch.fnmatchcase(t.weight, pattern) or any(fnmatch.fnmatchcase(n, pattern) for n in t.nodes)]
@@ -156,11 +163,12 @@ def select(graph: onnx.GraphProto, config: LoraConfig, source: str = "model") ->
         raise LoraError(f"{source}: LoRA targets {kinds} select no {'/'.join(kinds)} node with a weight an adapter can sit beside"
                         f"{''.join(_refusals(candidates, k) for k in kinds)}; the adaptable weights are {_preview(candidates)}")
     for t in chosen.values():
-        limit = min(t.in_features * int(np.prod(t.kernel, dtype=np.int64)), t.out_features)
+        limit = t.rank_limit
         if config.rank > limit:
+            groups = f" in each of its {t.group} groups" if t.group > 1 else ""
             raise LoraError(f"{source}: LoRA rank {config.rank} is larger than weight {t.weight!r} (node {t.nodes[0]!r}) allows: it maps "
-                            f"{t.in_features * int(np.prod(t.kernel, dtype=np.int64))} to {t.out_features} features, so the rank is at most "
-                            f"{limit}; use rank <= {limit} or leave this weight out of the targets")
+                            f"{t.in_features * int(np.prod(t.kernel, dtype=np.int64))} to {t.out_features // t.group} features{groups}, "
+                            f"so the rank is at most {limit}; use rank <= {limit} or leave this weight out of the targets")
     return [t for t in candidates.values() if t.weight in chosen]  # graph order, whatever the targets' order
 
 

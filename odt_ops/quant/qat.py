@@ -4,12 +4,13 @@ Every DequantizeLinear on the way to the loss cuts the gradient (its input is an
 integer tensor). ``prepare`` makes each one differentiable the way quantization-aware
 training does, without leaving ai.onnx:
 
-    c = Max(Min(x, hi), lo)          lo, hi = (qmin - zp -+ 0.5) * scale: the values that
-    y = DequantizeLinear(QuantizeLinear(x)) + (c - stop_gradient(c))   round into [qmin, qmax]
+    inside = lo < x < hi             lo, hi = (qmin - zp -+ 0.5) * scale: the values that
+    y = DequantizeLinear(QuantizeLinear(x)) + Where(inside, x - stop_gradient(x), 0)
+                                     round into [qmin, qmax]
 
-(stop_gradient made of standard ops, exact on float32: see _EXACT). ``y`` equals the
-fake-quantized x exactly (c - stop_gradient(c) is 0.0), and its gradient is the straight-through estimator: 1 where x rounds inside the clip range, 0
-outside it (torch.fake_quantize_per_{tensor,channel}_affine's gradient). For an activation
+(stop_gradient made of standard float32 ops, exact: see _COARSE). ``y`` equals the
+fake-quantized x exactly (the Where is 0.0), and its gradient is the straight-through
+estimator: 1 where x rounds inside the clip range, 0 outside it (torch.fake_quantize_per_{tensor,channel}_affine's gradient). For an activation
 x is the QuantizeLinear's input; for a quantized weight (``weights=True``: QAT) the int
 weight is replaced by a float master copy (its dequantized value) that trains and is
 re-quantized by a new QuantizeLinear with the model's scale and zero point. With
@@ -47,6 +48,7 @@ class Site:
     master: str | None = None  # the float master copy of a quantized weight
     quantized: str | None = None  # the int initializer it replaced
     quantize: str | None = None  # the QuantizeLinear node that re-quantizes the master
+    scale_input: str | None = None  # a computed scale (DynamicQuantizeLinear's) the DequantizeLinear read before
 
 
 def prepare(model: Model, *, weights: bool = True, activations: bool = True, learn_scales: bool = False) -> tuple[Model, list[Site]]:
@@ -74,11 +76,15 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True, lea
         if node.op_type != "DequantizeLinear" or not is_default(node.domain):
             continue
         x = node.input[0]
+        q = producer.get(x)
+        if x not in inits and node.input[1] not in inits and q is not None and q.op_type == "QuantizeLinear":
+            if activations:  # quantized with its batch's own statistics: DynamicQuantizeLinear (expanded at load)
+                sites.append(_dynamic_site(node, q, graph, fresh, before, after))
+            continue
         attrs = node_attributes(node)
         axis, block = int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))
         scale = _const(inits, node.input[1], node)
         zp = _const(inits, node.input[2], node) if len(node.input) > 2 and node.input[2] else None
-        q = producer.get(x)
         master = quantized = quantize = None
         if x in inits:
             stored = numpy_helper.to_array(inits[x])
@@ -132,10 +138,14 @@ def prepare(model: Model, *, weights: bool = True, activations: bool = True, lea
     return load_model(prepared), sites
 
 
-# every float32 is a multiple of 2**-149: scaled by 2**149 in float64 it is an integer, which
-# Round leaves as it is, so this chain is the identity on float32 values, and (Round's gradient
-# being zero) a stop-gradient made of standard ops
-_EXACT = 2.0 ** 149
+# A stop-gradient made of standard float32 ops, exact for |v| < 2**107 (every value it meets: a
+# clip range, a scale, an activation inside its range): coarse = v rounded to a multiple of 2**-21
+# (v * 2**21 fits float32), then the remainder v - coarse (exact: both are multiples of v's ulp,
+# and |remainder| <= 2**-22) is a multiple of 2**-149, so scaled by 2**149 (in two steps: 2**149
+# is no float32) it is an integer that Round leaves as it is. coarse + remainder is v exactly, and
+# Round's gradient is zero, so no gradient passes. (Before: one float64 chain, twice the bytes.)
+_COARSE = 2.0 ** 21
+_FINE = (2.0 ** 75, 2.0 ** 74)
 
 
 class _Emitter:
@@ -154,12 +164,17 @@ class _Emitter:
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(f"{self.stem}/ste_{hint}"), **attrs))
         return out
 
+    def scaled(self, value: str, factors, hint: str) -> str:
+        for i, f in enumerate(factors):
+            value = self.op("Mul", [value, self.const(np.array(f, np.float32), f"{hint}{i}")], f"{hint}{i}")
+        return value
+
     def stop_gradient(self, value: str, hint: str) -> str:
-        """``value`` itself (float32, exactly), with no gradient: see _EXACT."""
-        wide = self.op("Cast", [value], f"{hint}_wide", to=onnx.TensorProto.DOUBLE)
-        scaled = self.op("Mul", [wide, self.const(np.array(_EXACT), f"{hint}_up")], f"{hint}_scaled")
-        back = self.op("Mul", [self.op("Round", [scaled], f"{hint}_round"), self.const(np.array(1 / _EXACT), f"{hint}_down")], f"{hint}_back")
-        return self.op("Cast", [back], f"{hint}_frozen", to=onnx.TensorProto.FLOAT)
+        """``value`` itself (float32, exactly, |value| < 2**107), with no gradient: see _COARSE."""
+        coarse = self.scaled(self.op("Round", [self.scaled(value, [_COARSE], f"{hint}_up")], f"{hint}_round"), [1 / _COARSE], f"{hint}_down")
+        rest = self.op("Sub", [value, coarse], f"{hint}_rest")
+        fine = self.op("Round", [self.scaled(rest, _FINE, f"{hint}_rest_up")], f"{hint}_rest_round")
+        return self.op("Add", [coarse, self.scaled(fine, [1 / f for f in _FINE], f"{hint}_rest_down")], f"{hint}_frozen")
 
 
 def _straight_through(node: onnx.NodeProto, source: str, bounds, graph, fresh, final: str, lsq=None) -> list:
@@ -173,22 +188,61 @@ def _straight_through(node: onnx.NodeProto, source: str, bounds, graph, fresh, f
     the range, added by a term that is 0.0 forward: (s - stop_gradient(s)) * stop_gradient(-x/s)."""
     e = _Emitter(graph, fresh, node.name)
     dq = node.output[0]
-    if lsq is None:
+    if isinstance(bounds[0], str):  # computed in the graph (a dynamic site's)
+        lo, hi = bounds
+    elif lsq is None:
         lo, hi = e.const(bounds[0], "lo"), e.const(bounds[1], "hi")
     else:
         scale, (k_lo, k_hi) = lsq
         frozen_scale = e.stop_gradient(scale, "scale")
         lo, hi = e.op("Mul", [frozen_scale, e.const(k_lo, "k_lo")], "lo"), e.op("Mul", [frozen_scale, e.const(k_hi, "k_hi")], "hi")
-    clipped = e.op("Max", [e.op("Min", [source, hi], "upper"), lo], "clipped")
-    zero = e.op("Sub", [clipped, e.stop_gradient(clipped, "clip")], "zero")
     if lsq is None:
+        # zero = Where(inside, x - stop_gradient(x), 0): its gradient keeps one boolean per value
+        # for the backward, where a clip (Min, Max) keeps two float32 copies of x
+        inside = e.op("And", [e.op("Greater", [source, lo], "above"), e.op("Less", [source, hi], "below")], "inside")
+        through = e.op("Sub", [source, e.stop_gradient(source, "x")], "through")
+        zero = e.op("Where", [inside, through, e.const(np.array(0, np.float32), "nothing")], "zero")
         e.op("Add", [dq, zero], "ste", output=final)
         return e.nodes
+    clipped = e.op("Max", [e.op("Min", [source, hi], "upper"), lo], "clipped")
+    zero = e.op("Sub", [clipped, e.stop_gradient(clipped, "clip")], "zero")
     inside = e.op("Cast", [e.op("Equal", [clipped, source], "inside_bool")], "inside", to=onnx.TensorProto.FLOAT)
     g = e.op("Div", [e.op("Neg", [e.op("Mul", [inside, source], "x_inside")], "minus_x"), frozen_scale], "g")
     lsq_term = e.op("Mul", [e.op("Sub", [scale, frozen_scale], "scale_zero"), e.stop_gradient(g, "g")], "lsq")
     e.op("Add", [e.op("Add", [dq, zero], "ste_x"), lsq_term], "ste", output=final)
     return e.nodes
+
+
+def _dynamic_site(node: onnx.NodeProto, q: onnx.NodeProto, graph, fresh, before, after) -> Site:
+    """The STE for an activation quantized with its batch's scale and zero point (computed in the
+    graph from the batch's min and max, as DynamicQuantizeLinear specifies). The DequantizeLinear
+    and the clip range read the scale through a stop-gradient: as torch's fake quantization takes
+    its observer's statistics, the scale is a constant to the gradient, which is then exactly the
+    straight-through estimator's (the range holds the batch, so nothing but a rounding edge clips)."""
+    if len(node.input) < 3 or not node.input[2]:
+        raise QuantizationError(f"DequantizeLinear node {node.name!r}: a computed scale without a zero point is not the layout "
+                                "DynamicQuantizeLinear writes; odt_ops fine-tunes computed scales only as quantize_dynamic writes them")
+    qmin, qmax = integer_range(np.dtype(_elem_dtype(graph, node.input[0])))
+    e = _Emitter(graph, fresh, node.name)
+    scale_input = node.input[1]
+    frozen = e.stop_gradient(scale_input, "scale")
+    node.input[1] = frozen
+    zp = e.op("Cast", [node.input[2]], "zero_point", to=onnx.TensorProto.FLOAT)
+    lo = e.op("Mul", [e.op("Sub", [e.const(np.array(qmin - 0.5, np.float32), "qmin"), zp], "lo_steps"), frozen], "lo")
+    hi = e.op("Mul", [e.op("Sub", [e.const(np.array(qmax + 0.5, np.float32), "qmax"), zp], "hi_steps"), frozen], "hi")
+    before.setdefault(node.name, []).extend(e.nodes)
+    final = node.output[0]
+    node.output[0] = fresh(f"{final}/quantized")
+    nodes = _straight_through(node, q.input[0], (lo, hi), graph, fresh, final)
+    after[node.name] = nodes
+    return Site(node.name, node.output[0], final, [*(n.name for n in e.nodes), *(n.name for n in nodes)], scale_input=scale_input)
+
+
+def _elem_dtype(graph: onnx.GraphProto, value: str) -> np.dtype:
+    """The element type shape inference gave ``value`` (uint8, DynamicQuantizeLinear's, if unknown)."""
+    info = next((v for v in graph.value_info if v.name == value), None)
+    elem = info.type.tensor_type.elem_type if info is not None else 0
+    return helper.tensor_dtype_to_np_dtype(elem) if elem else np.dtype(np.uint8)
 
 
 def _learned_scale(node, scale: np.ndarray, zp, dtype, shape, axis: int, block: int, graph, fresh, before) -> tuple[str, tuple]:

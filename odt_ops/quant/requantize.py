@@ -36,8 +36,10 @@ def strip_straight_through(graph: onnx.GraphProto, sites: list[Site]) -> None:
             dtype = zp.dtype if zp is not None else _stored_dtype(by_name[s.quantize])
             graph.initializer.append(numpy_helper.from_array(quantize(master, scale, zp, dtype, axis=axis, block_size=block), s.quantized))
             node.input[0] = s.quantized
-    for s in sites:  # the DequantizeLinear writes its original output again
+    for s in sites:  # the DequantizeLinear writes its original output (and reads its computed scale) again
         by_name[s.dequantize].output[0] = s.ste_output
+        if s.scale_input:
+            by_name[s.dequantize].input[1] = s.scale_input
     kept = [n for n in graph.node if n.name not in added]
     del graph.node[:]
     graph.node.extend(kept)

@@ -214,25 +214,6 @@ def test_qat_on_a_float_model_is_a_typed_error(tmp_path):
         artifacts.generate_artifacts(export(make("cnn"), x), loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path, qat=True)
 
 
-def test_quantize_dynamic_integer_ops_are_a_typed_error_naming_the_nodes(tmp_path):
-    """quantize_dynamic writes onnxruntime's integer-op format (DynamicQuantizeLinear, MatMulInteger), not QDQ:
-    the error lists every such node at once and says which format fine-tunes."""
-    from odt_ops.errors import UnsupportedOpError
-
-    x, _ = data("cnn", 4)
-    src, dst = tmp_path / "float.onnx", tmp_path / "dynamic.onnx"
-    onnx.save(export(make("cnn"), x, folded=True), src)
-    quantize_dynamic = pytest.importorskip("onnxruntime.quantization").quantize_dynamic
-    quantize_dynamic(str(src), str(dst))
-    with pytest.raises(UnsupportedOpError) as info:
-        artifacts.generate_artifacts(str(dst), loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path / "art")
-    message = str(info.value)
-    integer_ops = sorted({n.op_type for n in onnx.load(str(dst)).graph.node if n.op_type.endswith("Integer")})
-    assert integer_ops, message
-    assert all(op in message for op in integer_ops), message
-    assert "QuantFormat.QDQ" in message, message
-
-
 @pytest.mark.parametrize("dtype,per_channel", [("int8", True), ("uint8", False)])
 def test_learned_scales_get_lsq_gradients_as_torch_learnable_fake_quant(dtype, per_channel, tmp_path):
     """qat="lsq": every scale trains, with the gradient of torch._fake_quantize_learnable_per_*_affine
@@ -291,3 +272,25 @@ def test_learned_scales_are_what_the_requantized_export_uses(tmp_path):
     inits = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
     np.testing.assert_array_equal(inits["s_w"], state.parameters["s_w"].data)
     np.testing.assert_allclose(_ort(tmp_path / "lsq.onnx", x), engine, rtol=1e-5, atol=1e-5)
+
+
+def test_the_float32_stop_gradient_is_the_identity_bit_for_bit_on_every_exponent():
+    """The STE's stop-gradient (odt_ops.quant.qat._Emitter.stop_gradient) in float32 ops returns its
+    input exactly: subnormals, +-0 and every binade up to its documented 2**107 bound."""
+    from odt_ops.ir.builder import unique_name
+    from odt_ops.quant.qat import _Emitter
+
+    graph = helper.make_graph([], "sg", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
+    taken = {"x", "y"}
+    e = _Emitter(graph, lambda hint: unique_name(hint, taken), "t")
+    out = e.stop_gradient("x", "x")
+    graph.node.extend([*e.nodes, helper.make_node("Identity", [out], ["y"], name="out")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    rng = np.random.default_rng(0)
+    exponents = rng.integers(-149, 107, 20000)
+    x = (rng.uniform(1, 2, exponents.size) * np.exp2(exponents.astype(np.float64)) * rng.choice([-1, 1], exponents.size)).astype(np.float32)
+    x = np.concatenate([x, np.array([0.0, -0.0, 2.0 ** -149, -(2.0 ** -149), 2.0 ** -126, 1.5, 2.5, -0.5], np.float32)])
+    y = InferenceSession(model).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(y.view(np.uint32)[np.abs(x) > 0], x.view(np.uint32)[np.abs(x) > 0])
+    assert (y[x == 0] == 0).all()
