@@ -32,8 +32,8 @@ def _then_relu(op_type: str) -> Factory:
     def factory(attrs: dict, opset: int) -> Callable[..., tuple]:
         product, relu = kernel_of(op_type, opset, **attrs), kernel_of("Relu", opset)
 
-        def run(*args):
-            y = product(*args)[0]
+        def run(*args, **engine):  # engine: the plan node's _products record, passed to the product
+            y = product(*args, **engine)[0]
             # a product of two vectors comes back from numpy as a scalar, which has no memory to reuse
             return (relu_in_place(y),) if isinstance(y, np.ndarray) else relu(y)
 
