@@ -8,6 +8,7 @@ import onnx
 
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels.elementwise import relu_in_place
+from odt_ops.kernels.parallel import elementwise
 from odt_ops.runtime.fusion.graph import STANDARD, Factory, Graph, fused_node, fused_op, fusion, kernel_of
 
 _FRESH_PRODUCTS = ("Gemm", "MatMul")  # their kernels always return a new array
@@ -104,7 +105,7 @@ def _activation_grad_op(first_with_y: bool) -> Factory:
             np.multiply(dY, t, out=t)
             return (t,)
 
-        return run
+        return elementwise(run)  # large gradients: split across the BLAS thread count
     return factory
 
 
