@@ -29,23 +29,22 @@ ALIGN = 1024  # elements: a multiple of every SIMD width numpy uses, and of a ca
 
 _lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (its size, the pool)
-_blas = None  # threadpoolctl's controller of numpy's BLAS, found once
+_blas: list = []  # [threadpoolctl's controller of numpy's BLAS, or None when there is none], found once
 
 
 def workers() -> int:
-    """Threads for a pass: the BLAS thread count in force now (1 without threadpoolctl's answer)."""
-    global _blas
-    if _blas is None:
+    """Threads for a pass: the BLAS thread count in force now (OPENBLAS_NUM_THREADS without threadpoolctl)."""
+    if not _blas:
         try:
             from threadpoolctl import ThreadpoolController
 
             found = ThreadpoolController().select(user_api="blas").lib_controllers
-            _blas = found[0] if found else False
-        except Exception:  # threadpoolctl missing or unable to read this BLAS: stay on one thread
-            _blas = False
-    if _blas is False:
+            _blas.append(found[0] if found else None)
+        except Exception:  # threadpoolctl missing or unable to read this BLAS
+            _blas.append(None)
+    if _blas[0] is None:
         return max(1, int(os.environ.get("OPENBLAS_NUM_THREADS", "1") or 1))
-    return max(1, int(_blas.get_num_threads()))
+    return max(1, int(_blas[0].get_num_threads()))
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
@@ -81,15 +80,14 @@ def elementwise(fn: Callable[..., tuple]) -> Callable[..., tuple]:
         flat = X.reshape(-1)
         split = [o.reshape(-1) if isinstance(o, np.ndarray) and o.shape == X.shape else None for o in others]
         parts = chunks(flat.size, threads)
-        out: list[np.ndarray | None] = [None]
+        out: list[np.ndarray] = []
 
         def part(s: slice) -> None:
             args = [f[s] if f is not None else o for f, o in zip(split, others)]
-            (y,) = fn(flat[s], *args, **attrs)[:1]
-            if out[0] is None:  # the first chunk to finish learns the result's dtype
-                with _lock:
-                    if out[0] is None:
-                        out[0] = np.empty(flat.size, dtype=y.dtype)
+            y = fn(flat[s], *args, **attrs)[0]
+            with _lock:  # the first chunk to finish learns the result's dtype and makes the result
+                if not out:
+                    out.append(np.empty(flat.size, dtype=y.dtype))
             out[0][s] = y
 
         futures = [_executor(threads).submit(part, s) for s in parts[1:]]

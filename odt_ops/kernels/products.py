@@ -28,6 +28,7 @@ machines and runs, so then it is ``direct``.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -83,7 +84,7 @@ def calibrate(A: np.ndarray, B: np.ndarray) -> tuple[str, dict[str, float]]:
     """The formulation to use for operands shaped and laid out as A and B, with each candidate's
     best time in ms (timed on A and B themselves: the kernels never write their inputs)."""
     candidates = ["direct", "swapped"] + (["packed"] if not (A.flags.c_contiguous and B.flags.c_contiguous) else [])
-    times = {how: _best_ms(lambda how=how: compute(A, B, how)) for how in candidates}
+    times = {how: _best_ms(functools.partial(compute, A, B, how)) for how in candidates}
     fastest = min(times, key=times.__getitem__)
     return (fastest if times[fastest] < MARGIN * times["direct"] else "direct"), times
 
