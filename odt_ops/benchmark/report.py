@@ -91,6 +91,8 @@ def summarize_personalization(config: str, batch: int, runs: dict[str, list[dict
                            "personalize_ms": stats([r["personalize_ms"] for r in peer_runs]),
                            "parts_ms": {k: float(np.median([r["personalize_parts_ms"][k] for r in peer_runs]))
                                         for k in PERSONALIZE_PARTS},
+                           "cold_start_parts_ms": {k: float(np.median([r["cold_start_parts_ms"][k] for r in peer_runs]))
+                                                   for k in peer_runs[0]["cold_start_parts_ms"]},
                            "imports_torch": any(r["imports_torch"] for r in peer_runs),
                            "load_average": float(np.median([r["load_average"] for r in peer_runs]))}
     ratios = {label: (peers[a]["personalize_ms"]["median"] / peers[b]["personalize_ms"]["median"]

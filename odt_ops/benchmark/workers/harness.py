@@ -120,7 +120,8 @@ def main(t0: float, import_runtime: Callable[[], dict], load: Callable[[dict], o
         first_ms = (time.perf_counter() - t) * 1000
         cold_ms = (time.perf_counter() - t0) * 1000 - data_ms
         if job["mode"] == "personalize":
-            report({**result, **personalize(session, batches, job, t0, data_ms, cold_ms)})
+            parts = {"import": import_ms, "load": load_ms, "first_step": first_ms}
+            report({**result, **personalize(session, batches, job, t0, data_ms, cold_ms), "cold_start_parts_ms": parts})
             return 0
         spawn = os.environ.get("ODT_BENCH_SPAWN_TIME")  # the driver's time.time() just before starting us
         warm = time.perf_counter()
