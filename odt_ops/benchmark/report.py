@@ -141,8 +141,9 @@ def render_personalization(doc: dict) -> str:
                      *(_cell(res["peers"].get(p), "personalize_ms") for p in peers),
                      *(_ratio(res["ratios"][label]) for label in labels), parts])
     steps = doc["settings"]["personalize_steps"]
-    return (f"time to personalize: cold start (import, load, first step) + {steps} train steps + exporting the inference "
-            f"model, one wall clock per process, median ms over processes\n" + _table(rows, 3))
+    return (f"time to personalize: {steps} train steps from a fresh process (cold start: import, load, the first step; "
+            f"then {steps - 1} more) + exporting the inference model, one wall clock per process, median ms over processes\n"
+            + _table(rows, 3))
 
 
 def render_threads(doc: dict) -> str:
