@@ -103,7 +103,7 @@ def test_torch_defined_configurations_start_every_peer_from_the_same_loss(tmp_pa
     out = tmp_path / "bench.json"
     names = ["lstm-adamw", "mobilenetv3-adamw", "transformer-adamw"]
     cmd = [sys.executable, "-m", "odt_ops.benchmark", "--configs", *names, "--batches", "3", "--steps", "2", "--warmup", "1",
-           "--eval-steps", "1", "--repeats", "1", "--peers", "odt,torch", "--json", str(out), "--quiet"]
+           "--eval-steps", "1", "--repeats", "1", "--peers", "odt,torch", "--personalize-steps", "2", "--json", str(out), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
@@ -112,6 +112,9 @@ def test_torch_defined_configurations_start_every_peer_from_the_same_loss(tmp_pa
         assert {p: res["peers"][p]["status"] for p in ("odt", "torch")} == {"odt": "ok", "torch": "ok"}, res["peers"]
         assert res["first_loss_rel_spread"] < 1e-5, res["config"]
         assert res["ratios"]["odt/torch"]["train_ms"] > 0
+    # both export their inference model after personalizing (PyTorch: torch.onnx.export)
+    assert [(r["config"], {p: s["status"] for p, s in r["peers"].items()}) for r in doc["personalize"]] == [
+        (n, {"odt": "ok", "torch": "ok"}) for n in names]
 
 
 def test_memory_report_counts_the_activations_the_backward_reads():
