@@ -1,6 +1,8 @@
-"""The driver: prepare each configuration once, run every (configuration, batch, peer,
-repeat) as a fresh worker process, alternating the peers' order between repeats, then
-summarize into one JSON document and print the tables.
+"""The driver: prepare each configuration once, run every (thread count, configuration,
+batch, peer, repeat) as a fresh worker process, alternating the peers' order between
+repeats, and per configuration one personalization per peer and repeat (cold start, 200
+train steps, export of the inference model), then summarize into one JSON document and
+print the tables.
 
 Nothing here is timed; only workers time themselves (see workers/harness.py).
 """
@@ -24,13 +26,22 @@ import onnx
 
 from odt_ops.benchmark import configs as cfgs
 from odt_ops.benchmark.peers import PEERS, PeerEnv, locate, repo_root, setup_peers
-from odt_ops.benchmark.report import render_tables, summarize
+from odt_ops.benchmark.report import render_tables, summarize, summarize_personalization
 from odt_ops.benchmark.workers.harness import RESULT_MARK
 
-SCHEMA = "odt-benchmark/1"
+SCHEMA = "odt-benchmark/2"  # 2: settings.threads is a list, results carry threads, "personalize" added
 DEFAULT_JSON = "benchmark.json"
-ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                                     "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")}
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+                    "NUMEXPR_NUM_THREADS", "ODT_BENCH_THREADS")  # the last: the workers' own runtimes (harness.threads)
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """Every thread setting at ``threads``: BLAS and OpenMP read theirs when they load."""
+    return dict.fromkeys(THREAD_VARIABLES, str(threads))
+
+
+ONE_THREAD = thread_env(1)
+NO_PERSONALIZATION = ("ort-inference",)  # runs our artifacts on an inference runtime: it exports nothing
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,22 +61,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-timeout", type=float, default=900.0, metavar="SECONDS")
     p.add_argument("--setup-peers", action="store_true", help="create .venv-bench-ort with ONNX Runtime training "
                    "(and torch if missing) and exit")
+    p.add_argument("--threads", nargs="+", type=int, default=[1], metavar="N",
+                   help="thread counts to run everything at (default 1; e.g. 1 2 4: the threads report)")
+    p.add_argument("--personalize-steps", type=int, default=200, metavar="STEPS",
+                   help="time to personalize: cold start + this many train steps + the export, per configuration "
+                        "(its first batch) and peer (default 200; 0: skip)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     args.peers = [s.strip() for s in args.peers.split(",") if s.strip()]
     unknown = [s for s in args.peers if s not in PEERS]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; peers are {','.join(PEERS)}")
-    if min(args.steps, args.warmup, args.eval_steps, args.repeats, *(args.batches or [1])) < 1:
-        p.error("--steps, --warmup, --eval-steps, --repeats and --batches must be >= 1")
+    if min(args.steps, args.warmup, args.eval_steps, args.repeats, *(args.batches or [1]), *args.threads) < 1:
+        p.error("--steps, --warmup, --eval-steps, --repeats, --batches and --threads must be >= 1")
+    if args.personalize_steps < 0:
+        p.error("--personalize-steps must be >= 0")
     return args
 
 
-def run_worker(env: PeerEnv, job: dict, job_path: Path, timeout: float) -> dict:
-    """Start one fresh worker process and return its report (or why it has none)."""
+def run_worker(env: PeerEnv, job: dict, job_path: Path, timeout: float, threads: int = 1) -> dict:
+    """Start one fresh worker process at ``threads`` threads and return its report (or why it has none)."""
     job_path.write_text(json.dumps(job))
     child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    child_env.update(ONE_THREAD)
+    child_env.update(thread_env(threads))
     if env.name == "odt":  # the engine from this checkout, installed or not
         child_env["PYTHONPATH"] = str(repo_root())
     child_env["ODT_BENCH_SPAWN_TIME"] = repr(time.time())
@@ -166,29 +184,29 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"schema": SCHEMA, "machine": machine_info(),
            "settings": {"configs": [c.name for c in configs], "batches": {c.name: _batches(c, args) for c in configs}, "steps": args.steps,
                         "warmup": args.warmup, "eval_steps": args.eval_steps, "repeats": args.repeats,
-                        "time_budget_s": args.time_budget, "peers": args.peers, "threads": 1},
+                        "time_budget_s": args.time_budget, "peers": args.peers, "threads": args.threads,
+                        "personalize_steps": args.personalize_steps},
            "peers": {p: {"available": e.python is not None, "python": e.python, "reason": e.reason or None}
                      for p, e in envs.items()},
            "configs": {c.name: c.description for c in configs},
-           "results": []}
+           "results": [], "personalize": []}
     try:
-        for config in configs:
-            ready = prepare(config, workdir, envs, args.worker_timeout)
-            for batch in _batches(config, args):
-                runs: dict[str, list[dict]] = {p: [] for p in args.peers}
-                for r in range(args.repeats):
-                    k = r % len(args.peers)
-                    for peer in args.peers[k:] + args.peers[:k]:  # rotate who goes first
-                        fields = ready.get(peer, {})
-                        if envs[peer].python is None or "status" in fields:
-                            continue
-                        job = {"peer": peer, "mode": "run", "config": config.to_json(), "batch": batch, "seed": 1000 + batch,
-                               "steps": args.steps, "warmup": args.warmup, "eval_steps": args.eval_steps,
-                               "time_budget_s": args.time_budget, **fields}
-                        res = run_worker(envs[peer], job, workdir / config.name / f"job-{peer}-{batch}.json", args.worker_timeout)
-                        runs[peer].append(res)
-                        log(_progress(config.name, batch, r, res))
-                doc["results"].append(summarize(config.name, batch, runs, envs, ready))
+        readies = {config.name: prepare(config, workdir, envs, args.worker_timeout) for config in configs}
+        for threads in args.threads:
+            for config in configs:
+                ready = readies[config.name]
+                for batch in _batches(config, args):
+                    job = {"mode": "run", "config": config.to_json(), "batch": batch, "seed": 1000 + batch, "steps": args.steps,
+                           "warmup": args.warmup, "eval_steps": args.eval_steps, "time_budget_s": args.time_budget}
+                    runs = _rotated_runs(args.peers, envs, ready, job, workdir / config.name, args, threads, log)
+                    doc["results"].append({**summarize(config.name, batch, runs, envs, ready), "threads": threads})
+                if args.personalize_steps:
+                    batch = _batches(config, args)[0]
+                    peers = [p for p in args.peers if p not in NO_PERSONALIZATION]
+                    job = {"mode": "personalize", "config": config.to_json(), "batch": batch, "seed": 1000 + batch,
+                           "personalize_steps": args.personalize_steps, "export_dir": str(workdir / config.name)}
+                    runs = _rotated_runs(peers, envs, ready, job, workdir / config.name, args, threads, log)
+                    doc["personalize"].append({**summarize_personalization(config.name, batch, runs, envs, ready), "threads": threads})
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -199,9 +217,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _progress(config: str, batch: int, repeat: int, res: dict) -> str:
-    head = f"{config} b{batch} r{repeat} {res['peer']:14s}"
+def _rotated_runs(peers: list[str], envs: dict[str, PeerEnv], ready: dict[str, dict], job: dict, directory: Path,
+                  args: argparse.Namespace, threads: int, log) -> dict[str, list[dict]]:
+    """``job`` run by each peer ``args.repeats`` times, a fresh process each, rotating who goes first."""
+    runs: dict[str, list[dict]] = {p: [] for p in peers}
+    for r in range(args.repeats):
+        k = r % len(peers)
+        for peer in peers[k:] + peers[:k]:
+            fields = ready.get(peer, {})
+            if envs[peer].python is None or "status" in fields:
+                continue
+            path = directory / f"job-{job['mode']}-{peer}-{job['batch']}-t{threads}.json"
+            res = run_worker(envs[peer], {**job, "peer": peer, **fields}, path, args.worker_timeout, threads)
+            runs[peer].append(res)
+            log(_progress(job["config"]["name"], job["batch"], r, res, threads))
+    return runs
+
+
+def _progress(config: str, batch: int, repeat: int, res: dict, threads: int = 1) -> str:
+    head = f"{config} b{batch} t{threads} r{repeat} {res['peer']:14s}"
     if res["status"] != "ok":
         return f"{head} {res['status']}: {res.get('reason', '')}"
+    if "personalize_ms" in res:
+        return f"{head} personalize {res['personalize_ms']:9.1f} ms"
     train = sorted(res["train_ms"])[len(res["train_ms"]) // 2]
     return f"{head} train {train:8.3f} ms  rss {res['peak_rss_mib']:6.1f} MiB  cold {res['cold_start_ms']:7.1f} ms"

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from odt_ops.benchmark.driver import ONE_THREAD
+from odt_ops.kernels import products
 
 
 def _session(config, directory: str, batch: int):
@@ -124,6 +125,9 @@ def profile(config_name: str, batch: int, steps: int, top: int) -> str:
         lines.append(f"eval step {eval_ms:.3f} ms: kernels {sum(ms for _, ms in eval_nodes.values()):.3f} ms in "
                      f"{len(eval_nodes)} nodes; top: " + ", ".join(
                          f"{op} {key[:30]} {ms:.3f}" for key, (op, ms) in sorted(eval_nodes.items(), key=lambda kv: -kv[1][1])[:4]))
+        chosen = plan.formulations()
+        lines.append(f"\nmatrix products' formulations (ODT_GEMM={products.rule()}; kernels/products.py):")
+        lines += [f"  {node:40s} {'; '.join(choices)}" for node, choices in chosen.items()] or ["  (none)"]
         lines.append("\nby op type (sum of the nodes' median ms, % of the Module call):")
         for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {op:28s} {ms:8.3f}  {ms / call_ms * 100:5.1f}%")

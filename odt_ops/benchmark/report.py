@@ -1,4 +1,6 @@
-"""Summaries (medians, spreads, ratios) of the workers' reports, and the printed tables."""
+"""Summaries (medians, spreads, ratios) of the workers' reports, and the printed tables:
+time to personalize first (what a user waits for), then the per-step tables, then, when
+several thread counts ran, the threads report."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +11,7 @@ TITLES = {"train_ms": "train step (forward + backward + optimizer step + gradien
           "peak_rss_mib": "peak resident memory of the worker process, MiB (median over processes)",
           "cold_start_ms": "cold start (import + artifact or model load + first train step), median ms over processes"}
 RATIOS = (("odt", "ort-training", "odt/ORT"), ("odt", "torch", "odt/torch"), ("odt", "ort-inference", "odt/ort-inf"))
+PERSONALIZE_PARTS = ("cold_start", "train_steps", "export")
 
 
 def stats(values) -> dict:
@@ -71,6 +74,33 @@ def summarize(config: str, batch: int, runs: dict[str, list[dict]], envs: dict, 
             "first_loss_rel_spread": spread}
 
 
+def summarize_personalization(config: str, batch: int, runs: dict[str, list[dict]], envs: dict, ready: dict) -> dict:
+    """Per peer: the median time to personalize over its processes, with the median of each part."""
+    peers: dict[str, dict] = {}
+    for peer, peer_runs in runs.items():
+        failed = [r for r in peer_runs if r["status"] != "ok"]
+        if envs[peer].python is None:
+            peers[peer] = {"status": "missing", "reason": envs[peer].reason}
+        elif "status" in ready.get(peer, {}):
+            peers[peer] = dict(ready[peer])
+        elif failed or not peer_runs:
+            peers[peer] = {"status": failed[0]["status"] if failed else "failed",
+                           "reason": failed[0].get("reason") if failed else "no run", "runs": failed}
+        else:
+            peers[peer] = {"status": "ok", "processes": len(peer_runs),
+                           "personalize_ms": stats([r["personalize_ms"] for r in peer_runs]),
+                           "parts_ms": {k: float(np.median([r["personalize_parts_ms"][k] for r in peer_runs]))
+                                        for k in PERSONALIZE_PARTS},
+                           "cold_start_parts_ms": {k: float(np.median([r["cold_start_parts_ms"][k] for r in peer_runs]))
+                                                   for k in peer_runs[0]["cold_start_parts_ms"]},
+                           "imports_torch": any(r["imports_torch"] for r in peer_runs),
+                           "load_average": float(np.median([r["load_average"] for r in peer_runs]))}
+    ratios = {label: (peers[a]["personalize_ms"]["median"] / peers[b]["personalize_ms"]["median"]
+                      if peers[a]["status"] == peers[b]["status"] == "ok" else None)
+              for a, b, label in RATIOS if a in peers and b in peers}
+    return {"config": config, "batch": batch, "peers": peers, "ratios": ratios}
+
+
 def _cell(summary: dict | None, metric: str) -> str:
     if summary is None:
         return "-"
@@ -84,23 +114,84 @@ def _cell(summary: dict | None, metric: str) -> str:
     return text
 
 
+def _table(rows: list[list[str]], left: int) -> str:
+    """Columns padded to their widest cell; the first ``left`` columns left-aligned, the rest right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def render_personalization(doc: dict) -> str:
+    """Time to personalize per configuration, thread count and peer, with odt's parts."""
+    rows_in = doc.get("personalize") or []
+    if not rows_in:
+        return ""
+    peers = [p for p in doc["settings"]["peers"] if any(p in r["peers"] for r in rows_in)]
+    labels = [label for a, b, label in RATIOS if a in peers and b in peers]
+    rows = [["config", "batch", "threads", *peers, *labels, "odt: cold + steps + export"]]
+    for res in rows_in:
+        odt = res["peers"].get("odt", {})
+        parts = " + ".join(f"{odt['parts_ms'][k]:.0f}" for k in PERSONALIZE_PARTS) if odt.get("status") == "ok" else "-"
+        rows.append([res["config"], str(res["batch"]), str(res["threads"]),
+                     *(_cell(res["peers"].get(p), "personalize_ms") for p in peers),
+                     *(_ratio(res["ratios"][label]) for label in labels), parts])
+    steps = doc["settings"]["personalize_steps"]
+    return (f"time to personalize: {steps} train steps from a fresh process (cold start: import, load, the first step; "
+            f"then {steps - 1} more) + exporting the inference model, one wall clock per process, median ms over processes\n"
+            + _table(rows, 3))
+
+
+def render_threads(doc: dict) -> str:
+    """Train step at each thread count for odt and torch: odt/torch at each, and each one's speed-up over one thread."""
+    counts = doc["settings"]["threads"]
+    if len(counts) < 2:
+        return ""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for res in doc["results"]:
+        by_key.setdefault((res["config"], res["batch"]), {})[res["threads"]] = res
+
+    def median(res: dict | None, peer: str) -> float | None:
+        s = (res or {}).get("peers", {}).get(peer)
+        return s["train_ms"]["median"] if s and s["status"] == "ok" else None
+
+    head = ["config", "batch", *(f"{p} t{n}" for p in ("odt", "torch") for n in counts),
+            *(f"odt/torch t{n}" for n in counts), *(f"{p} x{n}" for p in ("odt", "torch") for n in counts[1:])]
+    rows = [head]
+    for (config, batch), at in by_key.items():
+        times = {(p, n): median(at.get(n), p) for p in ("odt", "torch") for n in counts}
+        cells = ["-" if times[p, n] is None else f"{times[p, n]:.3f}" for p in ("odt", "torch") for n in counts]
+        ratios = [_ratio(times["odt", n] / times["torch", n] if times["odt", n] and times["torch", n] else None) for n in counts]
+        speedups = [_ratio(times[p, counts[0]] / times[p, n] if times[p, counts[0]] and times[p, n] else None)
+                    for p in ("odt", "torch") for n in counts[1:]]
+        rows.append([config, str(batch), *cells, *ratios, *speedups])
+    cores = doc["machine"]["cores"]
+    over = [n for n in counts if n > cores]
+    note = (f"\n{cores} cores: {', '.join(map(str, over))} thread(s) oversubscribe them (threads share cores; the times "
+            "say what an app gets when it asks for more threads than the device has)") if over else ""
+    return ("threads: train step median ms at each thread count (tN), odt/torch at each, and each runtime's speed-up "
+            f"over {counts[0]} thread(s) (xN)\n" + _table(rows, 2) + note)
+
+
 def render_tables(doc: dict) -> str:
     peers = doc["settings"]["peers"]
     ratio_labels = [label for a, b, label in RATIOS if a in peers and b in peers]
-    head = ["config", "batch", *peers, *ratio_labels]
-    blocks = []
+    several = len(doc["settings"]["threads"]) > 1
+    head = ["config", "batch", *(["threads"] if several else []), *peers, *ratio_labels]
+    blocks = [b for b in (render_personalization(doc),) if b]
     for metric in METRICS:
         rows = [head]
         for res in doc["results"]:
-            row = [res["config"], str(res["batch"]), *(_cell(res["peers"].get(p), metric) for p in peers)]
-            for label in ratio_labels:
-                value = res["ratios"][label][metric]
-                row.append("-" if value is None else f"{value:.2f}")
+            row = [res["config"], str(res["batch"]), *([str(res["threads"])] if several else []),
+                   *(_cell(res["peers"].get(p), metric) for p in peers)]
+            row += [_ratio(res["ratios"][label][metric]) for label in ratio_labels]
             rows.append(row)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-        lines.insert(1, "-" * len(lines[0]))
-        blocks.append(f"{TITLES[metric]}\n" + "\n".join(lines))
+        blocks.append(f"{TITLES[metric]}\n" + _table(rows, 3 if several else 2))
+    blocks += [b for b in (render_threads(doc),) if b]
     m = doc["machine"]
     notes = ["± is half the interquartile range of all timed steps, relative to the median; "
              "ratios are odt's median over the peer's (below 1: odt is faster or smaller).",
@@ -109,6 +200,9 @@ def render_tables(doc: dict) -> str:
     for peer, info in doc["peers"].items():
         if not info["available"]:
             notes.append(f"{peer}: missing ({info['reason']})")
+    for res in doc.get("personalize", []):
+        notes += [f"{res['config']} batch {res['batch']} {peer} (time to personalize): failed: {s.get('reason')}"
+                  for peer, s in res["peers"].items() if s["status"] == "failed"]
     for res in doc["results"]:
         for peer, s in res["peers"].items():
             if s["status"] == "failed":

@@ -14,6 +14,7 @@ import numpy as np
 
 from odt_ops.kernels._fast import BITS, select_bits, with_scalar
 from odt_ops.kernels.erf import erf_values
+from odt_ops.kernels.parallel import elementwise
 from odt_ops.kernels.registry import kernel
 
 
@@ -134,7 +135,9 @@ def sqrt(X):
     return (np.sqrt(X),)
 
 
+# the transcendental and composite activations: worth splitting across threads when large (kernels/parallel.py)
 @kernel("Exp", since=6)
+@elementwise
 def exp(input):
     return (np.exp(input),)
 
@@ -200,6 +203,7 @@ def atanh(input):
 
 
 @kernel("Tanh", since=6)
+@elementwise
 def tanh(input):
     return (np.tanh(input),)
 
@@ -253,6 +257,7 @@ def _softplus(X: np.ndarray) -> np.ndarray:
 
 @kernel("Sigmoid", since=6)
 @_half_in_float32
+@elementwise
 def sigmoid(X):
     return (_sigmoid(X),)
 
@@ -366,12 +371,14 @@ def _hard_sigmoid(X: np.ndarray, alpha: float, beta: float) -> np.ndarray:
 
 @kernel("HardSigmoid", since=6)
 @_half_in_float32
+@elementwise
 def hard_sigmoid(X, *, alpha=0.2, beta=0.5):
     return (_hard_sigmoid(X, alpha, beta),)
 
 
 @kernel("HardSwish", since=14)
 @_half_in_float32
+@elementwise
 def hard_swish(X):
     y = _hard_sigmoid(X, 1 / 6, 0.5)
     y *= X

@@ -12,9 +12,10 @@ Contract (the execution plan relies on it):
   passed, so the parameter's default applies.
 - Attributes arrive as keyword-only arguments named exactly as in the ONNX spec, with
   the spec's defaults in the signature. Strings are ``str``, tensors ``np.ndarray``.
-- Two engine-supplied keywords may be declared: ``_num_outputs`` (how many outputs the
-  node asks for) and ``_rng`` (the session's ``np.random.Generator``, for Dropout and
-  friends, so one seed governs every random draw).
+- Engine-supplied keywords may be declared: ``_num_outputs`` (how many outputs the
+  node asks for), ``_rng`` (the session's ``np.random.Generator``, for Dropout and
+  friends, so one seed governs every random draw) and ``_products`` (the plan node's
+  record of matrix-product formulations, kernels/products.py; None outside a plan).
 - The return value is a tuple of numpy arrays, one per output (extra trailing outputs
   the node did not ask for are ignored). Outputs keep the dtype the spec prescribes.
 - A kernel never mutates its inputs (the plan may share them between consumers).
@@ -29,7 +30,7 @@ from odt_ops.domain import canonical
 
 Kernel = Callable[..., tuple]
 
-ENGINE_KEYWORDS = ("_num_outputs", "_rng")
+ENGINE_KEYWORDS = ("_num_outputs", "_rng", "_products")
 
 
 @dataclass(frozen=True)

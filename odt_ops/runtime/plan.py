@@ -9,6 +9,7 @@ between two kernels there is no interpreter loop, no list indexing and no lookup
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import linecache
 import os
@@ -24,6 +25,7 @@ from odt_ops.domain import canonical
 from odt_ops.errors import ArgumentError, InputError, KernelError, ModelCheckError, OdtError, UnsupportedOpError, describe_arrays, node_label
 from odt_ops.ir.binding import bind_kernel, missing_kernels, node_inputs
 from odt_ops.ir.graph import implicit_inputs, topological_order
+from odt_ops.kernels.products import ProductRecord
 from odt_ops.runtime import fusion, inplace
 from odt_ops.runtime.memory import tune_allocator
 
@@ -130,8 +132,10 @@ class Plan:
         return nodes
 
     def _bound_steps(self, nodes: list[onnx.NodeProto], opsets: Mapping[str, int], rng) -> list[tuple]:
-        """(kernel with its attributes bound, input names, output names, node) per node."""
+        """(kernel with its attributes bound, input names, output names, node) per node; each matrix
+        product gets its own record of the formulations it chooses (``formulations()`` shows them)."""
         known = set(self._constants) | set(self.input_names)
+        self._products: dict[str, ProductRecord] = {}
         steps = []
         for node in nodes:
             ins = node_inputs(node)  # what its subgraphs read comes after its inputs
@@ -141,7 +145,10 @@ class Plan:
             known.update(n for n in node.output if n)
             # fused nodes run ai.onnx kernels at the graph's opset
             opset = opsets.get("" if node.domain == fusion.DOMAIN else canonical(node.domain), 0)
-            steps.append((bind_node(node, opset, rng, opsets), tuple(ins), tuple(node.output), node))
+            fn = bind_node(node, opset, rng, opsets)
+            if _multiplies(node):
+                fn = functools.partial(fn, _products=self._products.setdefault(node.name or node.output[0], ProductRecord()))
+            steps.append((fn, tuple(ins), tuple(node.output), node))
         for name in [*self.output_names, *self._checks]:
             if name not in known:
                 raise ModelCheckError(f"graph output {name!r} is produced by no node, input or initializer")
@@ -194,6 +201,11 @@ class Plan:
             raise KernelError(
                 (f"{self.source}: " if self.source and not self.source.startswith("<") else "") + f"{node_label(step.node)} failed on inputs ({describe_arrays(values)}): {type(exc).__name__}: {exc}"
             ) from exc
+
+    def formulations(self) -> dict[str, list[str]]:
+        """Per matrix-product node, the formulation chosen for each operand shape it has met
+        (kernels/products.py): fixed once chosen, so two runs of this plan are bit-identical."""
+        return {node: record.describe() for node, record in self._products.items() if record.chosen}
 
     def instrument(self, wrap: Callable[[Step, Callable], Callable] | None) -> None:
         """Route every step's kernel through ``wrap(step, fn)`` (a profiler's timer); None undoes it."""
@@ -278,6 +290,15 @@ class Plan:
         return GeneratedRun(run, source, first_step_line, kernels, step_inputs)
 
 
+# the nodes whose kernels multiply matrices through a ProductRecord: Gemm and MatMul, alone or
+# with the ReLU fused over their product (runtime/fusion/activations.py)
+_PRODUCTS = {"": ("Gemm", "MatMul"), fusion.DOMAIN: ("GemmRelu", "MatMulRelu")}
+
+
+def _multiplies(node: onnx.NodeProto) -> bool:
+    return node.op_type in _PRODUCTS.get("" if node.domain == "ai.onnx" else node.domain, ())
+
+
 def _comment(step: Step) -> str:
     ins = ", ".join(n or "-" for n in step.inputs)
     outs = ", ".join(n or "-" for n in step.outputs)
@@ -286,12 +307,16 @@ def _comment(step: Step) -> str:
 
 def _tracer(step: Step, fn: Callable) -> Callable:
     """A kernel that prints, after it runs, its node and each output's dtype, shape and range
-    (what onnx.reference's verbose mode shows), on stderr."""
+    (what onnx.reference's verbose mode shows), and a matrix product's formulations, on stderr."""
+    record = fn.keywords.get("_products") if isinstance(fn, functools.partial) else None
+
     def traced(*args, **kwargs):
         outputs = fn(*args, **kwargs)
         for name, value in zip(step.outputs, outputs):
             if name:
                 print(f"{node_label(step.node)} -> {name}: {_describe(value)}", file=sys.stderr)
+        if record is not None:  # which formulation of the product ran (kernels/products.py)
+            print(f"{node_label(step.node)} product: {'; '.join(record.describe())}", file=sys.stderr)
         return outputs
 
     return traced

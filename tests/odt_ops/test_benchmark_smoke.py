@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 
 from odt_ops.benchmark.report import METRICS
@@ -22,15 +23,15 @@ def test_tiny_benchmark_run_writes_the_documented_json(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "ODT_BENCH_VENV": str(tmp_path / "no-venv")}  # ORT training: not installed here
     cmd = [sys.executable, "-m", "odt_ops.benchmark", "--configs", "mlp-sgd", "cnn-adamw", "--batches", "2",
-           "--steps", "2", "--warmup", "1", "--eval-steps", "1", "--repeats", "2",
+           "--steps", "2", "--warmup", "1", "--eval-steps", "1", "--repeats", "2", "--personalize-steps", "2",
            "--peers", "odt,ort-inference,ort-training", "--json", str(out), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
 
-    assert doc["schema"] == "odt-benchmark/1"
+    assert doc["schema"] == "odt-benchmark/2"
     assert doc["settings"]["peers"] == ["odt", "ort-inference", "ort-training"]
-    assert doc["settings"]["threads"] == 1
+    assert doc["settings"]["threads"] == [1]
     assert not doc["peers"]["ort-training"]["available"]
     assert "--setup-peers" in doc["peers"]["ort-training"]["reason"]
     have_ort = importlib.util.find_spec("onnxruntime") is not None
@@ -56,6 +57,42 @@ def test_tiny_benchmark_run_writes_the_documented_json(tmp_path):
             assert all(res["ratios"]["odt/ort-inf"][m] > 0 for m in METRICS)
     assert "train step" in proc.stdout
     assert "ort-training: missing" in proc.stdout
+    # time to personalize, per configuration (its batch) and peer; ort-inference trains no model to export
+    assert [(r["config"], r["batch"], r["threads"], sorted(r["peers"])) for r in doc["personalize"]] == [
+        (c, 2, 1, ["odt", "ort-training"]) for c in ("mlp-sgd", "cnn-adamw")]
+    for res in doc["personalize"]:
+        odt = res["peers"]["odt"]
+        assert odt["status"] == "ok" and odt["processes"] == 2, odt
+        assert sum(odt["parts_ms"].values()) <= odt["personalize_ms"]["max"]
+        assert res["peers"]["ort-training"]["status"] == "missing"
+    assert proc.stdout.index("time to personalize") < proc.stdout.index("train step")  # the report leads with it
+
+
+def test_threads_report_and_the_personalized_model(tmp_path):
+    """At 1 and 4 threads (4 oversubscribes a 2-core machine, and the report says so); the
+    personalization's exported inference model is a valid ONNX model onnxruntime can run."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "odt_ops.benchmark", "--configs", "mlp-sgd", "--batches", "3", "--steps", "2", "--warmup", "1",
+           "--eval-steps", "1", "--repeats", "1", "--threads", "1", "4", "--personalize-steps", "3", "--peers", "odt",
+           "--json", str(out), "--workdir", str(tmp_path / "work"), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["threads"] == [1, 4]
+    assert [(r["config"], r["threads"]) for r in doc["results"]] == [("mlp-sgd", 1), ("mlp-sgd", 4)]
+    assert [(r["config"], r["threads"]) for r in doc["personalize"]] == [("mlp-sgd", 1), ("mlp-sgd", 4)]
+    assert all(r["peers"]["odt"]["status"] == "ok" for r in doc["results"] + doc["personalize"])
+    assert "threads: train step median ms" in proc.stdout and "odt x4" in proc.stdout
+    if (os.cpu_count() or 1) < 4:
+        assert "oversubscribe" in proc.stdout
+    exported = tmp_path / "work" / "mlp-sgd" / "odt-inference.onnx"
+    onnx.checker.check_model(onnx.load(exported))
+    if importlib.util.find_spec("onnxruntime") is not None:
+        import numpy as np
+        import onnxruntime as ort
+
+        (logits,) = ort.InferenceSession(str(exported)).run(None, {"input": np.zeros((5, 784), np.float32)})
+        assert logits.shape == (5, 10) and np.all(np.isfinite(logits))
 
 
 @pytest.mark.slow
@@ -66,7 +103,7 @@ def test_torch_defined_configurations_start_every_peer_from_the_same_loss(tmp_pa
     out = tmp_path / "bench.json"
     names = ["lstm-adamw", "mobilenetv3-adamw", "transformer-adamw"]
     cmd = [sys.executable, "-m", "odt_ops.benchmark", "--configs", *names, "--batches", "3", "--steps", "2", "--warmup", "1",
-           "--eval-steps", "1", "--repeats", "1", "--peers", "odt,torch", "--json", str(out), "--quiet"]
+           "--eval-steps", "1", "--repeats", "1", "--peers", "odt,torch", "--personalize-steps", "2", "--json", str(out), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
@@ -75,6 +112,9 @@ def test_torch_defined_configurations_start_every_peer_from_the_same_loss(tmp_pa
         assert {p: res["peers"][p]["status"] for p in ("odt", "torch")} == {"odt": "ok", "torch": "ok"}, res["peers"]
         assert res["first_loss_rel_spread"] < 1e-5, res["config"]
         assert res["ratios"]["odt/torch"]["train_ms"] > 0
+    # both export their inference model after personalizing (PyTorch: torch.onnx.export)
+    assert [(r["config"], {p: s["status"] for p, s in r["peers"].items()}) for r in doc["personalize"]] == [
+        (n, {"odt": "ok", "torch": "ok"}) for n in names]
 
 
 def test_memory_report_counts_the_activations_the_backward_reads():

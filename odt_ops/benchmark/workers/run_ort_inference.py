@@ -1,7 +1,7 @@
 """Our artifacts on onnxruntime's ordinary inference build: training_model.onnx then
 optimizer_model.onnx with onnxruntime.InferenceSession, parameters, buffers and
 optimizer states fed back by name (the roles are read from the models' odt metadata, not from
-odt_ops, which this worker does not import); one thread."""
+odt_ops, which this worker does not import); harness.threads() threads."""
 import time
 
 T0 = time.perf_counter()
@@ -22,7 +22,7 @@ def _session(path: str):
     import json
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
+    options.intra_op_num_threads = harness.threads()
     options.inter_op_num_threads = 1
     sess = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     meta = {k: json.loads(v) for k, v in sess.get_modelmeta().custom_metadata_map.items() if k.startswith("odt.")}

@@ -1,5 +1,5 @@
 """ONNX Runtime training (onnxruntime-training-cpu 1.19.2, its last release): its own
-generate_artifacts on the same forward model, then onnxruntime.training.api; one thread.
+generate_artifacts on the same forward model, then onnxruntime.training.api; harness.threads() threads.
 
 The package's onnxruntime/training/__init__.py imports its optim subpackage, which
 imports torch (~280 MiB resident). Neither the API nor generate_artifacts needs it, so
@@ -59,7 +59,7 @@ class Session(harness.TrainingApiSession):
     def __init__(self, job: dict):
         art = job["artifacts"]
         options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
+        options.intra_op_num_threads = harness.threads()
         options.inter_op_num_threads = 1
         state = api.CheckpointState.load_checkpoint(f"{art}/checkpoint")
         self.module = api.Module(f"{art}/training_model.onnx", state, f"{art}/eval_model.onnx", session_options=options)

@@ -2,7 +2,9 @@
 zoo network: its ONNX graph run with torch.nn.functional; a torch configuration: its
 torch.nn network with the exported weights; see torch_graph.py),
 mean cross-entropy, torch.optim.AdamW (onnxruntime's defaults: eps 1e-6, no weight
-decay) or plain torch.optim.SGD, zero_grad() as the gradient reset; one thread."""
+decay) or plain torch.optim.SGD, zero_grad() as the gradient reset; harness.threads() threads. Its
+inference model is exported as the torch configurations are (the TorchScript exporter,
+eval mode, a dynamic batch axis)."""
 import time
 
 T0 = time.perf_counter()
@@ -16,7 +18,7 @@ def import_runtime() -> dict:
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(harness.threads())
     torch.set_num_interop_threads(1)
     return {"torch": torch.__version__, "numpy": np.__version__}
 
@@ -83,6 +85,12 @@ class Session:
         self.optimizer.step()
         self.optimizer.zero_grad()
         return loss
+
+    def export(self, path: str, x) -> None:
+        self.model.eval()
+        torch.onnx.export(self.model, (x,), path, dynamo=False, input_names=["input"], output_names=["output"],
+                          dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+        self.model.train()
 
     def eval_step(self, x, y):
         if self.model.training:

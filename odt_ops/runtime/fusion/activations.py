@@ -8,6 +8,7 @@ import onnx
 
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels.elementwise import relu_in_place
+from odt_ops.kernels.parallel import elementwise
 from odt_ops.runtime.fusion.graph import STANDARD, Factory, Graph, fused_node, fused_op, fusion, kernel_of
 
 _FRESH_PRODUCTS = ("Gemm", "MatMul")  # their kernels always return a new array
@@ -32,8 +33,8 @@ def _then_relu(op_type: str) -> Factory:
     def factory(attrs: dict, opset: int) -> Callable[..., tuple]:
         product, relu = kernel_of(op_type, opset, **attrs), kernel_of("Relu", opset)
 
-        def run(*args):
-            y = product(*args)[0]
+        def run(*args, **engine):  # engine: the plan node's _products record, passed to the product
+            y = product(*args, **engine)[0]
             # a product of two vectors comes back from numpy as a scalar, which has no memory to reuse
             return (relu_in_place(y),) if isinstance(y, np.ndarray) else relu(y)
 
@@ -104,7 +105,7 @@ def _activation_grad_op(first_with_y: bool) -> Factory:
             np.multiply(dY, t, out=t)
             return (t,)
 
-        return run
+        return elementwise(run)  # large gradients: split across the BLAS thread count
     return factory
 
 

@@ -170,4 +170,4 @@ def kernel_entry(op_type: str, opset: int):
 def kernel_of(op_type: str, opset: int, **attrs) -> Callable[..., tuple]:
     """That kernel with ``attrs`` bound."""
     entry = kernel_entry(op_type, opset)
-    return lambda *args: entry.fn(*args, **attrs)
+    return lambda *args, **engine: entry.fn(*args, **attrs, **engine)

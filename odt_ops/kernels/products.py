@@ -1,0 +1,141 @@
+"""Equivalent formulations of a 2-D matrix product, and the rule that picks one per shape.
+
+OpenBLAS runs some shapes and operand layouts several times slower than others, and which
+ones depends on the CPU (its kernels are picked by core type): on an AVX2 EPYC a batch of 64
+rows times a row-major [784, 256] weight ran at 11 GFLOP/s where the same numbers with 800
+inputs ran at 33; on this AVX-512 Zen 4 (and under OpenBLAS's Haswell kernels on it) a
+column-major (transposed-view) [784, 256] weight at 16 rows runs at 15-20 GFLOP/s against
+70-84 row-major. So the product ``A @ B`` (A [M, K], B [K, N], either a transposed view) may
+be computed as
+
+- ``direct``: ``np.matmul(A, B)``, BLAS reading transposed views through its flags;
+- ``swapped``: ``(B^T @ A^T)^T``, copied to row-major (the caller gets C order either way);
+- ``packed``: ``np.matmul`` on row-major copies of the operands that are not row-major.
+
+All three are the same sums; they may round differently in the last bits (OpenBLAS's kernels
+block and vectorize each call differently), so the choice is made once per (shape, layouts,
+dtype) and never changes afterwards: each plan node keeps what it chose (``ProductRecord``),
+and within a process every node meeting the same key gets the same choice (a write-once
+table), so two runs of the same plan are bit-identical.
+
+The rule (environment ``ODT_GEMM``): ``calibrate`` times the formulations on the first
+operands of each key (best of a few runs each, a few milliseconds per key, only for products
+of at least ``CALIBRATE_MIN_FLOP``) and keeps the fastest if it beats ``direct`` by
+``MARGIN``; ``direct``, ``swapped`` or ``packed`` force one (tests, measurements). The default
+is ``calibrate``, except when ``OPENBLAS_CORETYPE`` pins OpenBLAS's kernels (the pipeline does
+that so every machine computes the same bytes): a timing-based choice would differ between
+machines and runs, so then it is ``direct``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from odt_ops.errors import ArgumentError
+
+FORMULATIONS = ("direct", "swapped", "packed")
+RULES = ("calibrate", *FORMULATIONS)
+CALIBRATE_MIN_FLOP = 2_000_000  # below ~0.05 ms a product's choice cannot pay for its timing noise
+MARGIN = 0.9  # another formulation must take under 90% of direct's time to be chosen
+_REPEATS = 3
+
+Key = tuple  # (M, K, N, layout of A, layout of B, dtype name)
+
+
+def _layout(X: np.ndarray) -> str:
+    return "C" if X.flags.c_contiguous else "F" if X.flags.f_contiguous else "S"
+
+
+def compute(A: np.ndarray, B: np.ndarray, how: str) -> np.ndarray:
+    """``A @ B`` for 2-D operands, as the formulation ``how``; a row-major result."""
+    if how == "swapped":
+        return np.ascontiguousarray(np.matmul(B.T, A.T).T)
+    if how == "packed":
+        return np.matmul(np.ascontiguousarray(A), np.ascontiguousarray(B))
+    return np.matmul(A, B)
+
+
+def rule() -> str:
+    """The rule in force (see the module docstring); read when a plan binds its products."""
+    value = os.environ.get("ODT_GEMM", "").strip().lower()
+    if not value:
+        return "direct" if os.environ.get("OPENBLAS_CORETYPE") else "calibrate"
+    if value not in RULES:
+        raise ArgumentError(f"ODT_GEMM={value!r}: expected one of {', '.join(RULES)} (unset: calibrate, "
+                            "or direct when OPENBLAS_CORETYPE pins OpenBLAS's kernels)")
+    return value
+
+
+def _best_ms(fn: Callable[[], object]) -> float:
+    fn()  # the first call pays for page faults and BLAS's buffers
+    best = float("inf")
+    for _ in range(_REPEATS):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
+def calibrate(A: np.ndarray, B: np.ndarray) -> tuple[str, dict[str, float]]:
+    """The formulation to use for operands shaped and laid out as A and B, with each candidate's
+    best time in ms (timed on A and B themselves: the kernels never write their inputs)."""
+    candidates = ["direct", "swapped"] + (["packed"] if not (A.flags.c_contiguous and B.flags.c_contiguous) else [])
+    times = {how: _best_ms(functools.partial(compute, A, B, how)) for how in candidates}
+    fastest = min(times, key=times.__getitem__)
+    return (fastest if times[fastest] < MARGIN * times["direct"] else "direct"), times
+
+
+# key -> (formulation, the times that chose it): written once per key for the whole process
+_DECIDED: dict[Key, tuple[str, dict[str, float]]] = {}
+
+
+def decide(A: np.ndarray, B: np.ndarray, how: str) -> str:
+    """The process's one choice for A and B's key under the rule ``how``."""
+    if how != "calibrate":
+        return how
+    M, K = A.shape
+    N = B.shape[1]
+    if A.dtype != B.dtype or A.dtype not in (np.float32, np.float64) or 2 * M * K * N < CALIBRATE_MIN_FLOP:
+        return "direct"
+    key = (M, K, N, _layout(A), _layout(B), A.dtype.name)
+    if key not in _DECIDED:
+        _DECIDED[key] = calibrate(A, B)
+    return _DECIDED[key][0]
+
+
+class ProductRecord:
+    """One plan node's choices: {(M, K, N, layouts, dtype): formulation}, each made on the first
+    product of that key and kept for the life of the plan."""
+
+    __slots__ = ("how", "chosen")
+
+    def __init__(self, how: str | None = None):
+        self.how = rule() if how is None else how
+        self.chosen: dict[Key, str] = {}
+
+    def __call__(self, A: np.ndarray, B: np.ndarray) -> np.ndarray:
+        key = (*A.shape, B.shape[1], A.strides, B.strides, A.dtype.str, B.dtype.str)
+        how = self.chosen.get(key)
+        if how is None:
+            how = self.chosen[key] = decide(A, B, self.how)
+        return compute(A, B, how)
+
+    def describe(self) -> list[str]:
+        """One line per key: 'MxK @ KxN (layouts, dtype): formulation'."""
+        return [f"{m}x{k} @ {k}x{n} {_strides_layout(sa)}{_strides_layout(sb)} {np.dtype(da).name}: {how}"
+                for (m, k, n, sa, sb, da, _db), how in self.chosen.items()]
+
+
+def _strides_layout(strides: tuple[int, int]) -> str:
+    return "T" if strides[0] < strides[1] else "N"  # a transposed view steps along rows fastest
+
+
+def multiply(A: np.ndarray, B: np.ndarray, record: ProductRecord | None) -> np.ndarray:
+    """``A @ B`` through ``record`` when both are 2-D, else numpy's matmul (batches, vectors)."""
+    if record is None or A.ndim != 2 or B.ndim != 2:
+        return np.matmul(A, B)
+    return record(A, B)
