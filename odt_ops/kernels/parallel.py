@@ -32,19 +32,34 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None  # (its size, the pool)
 _blas: list = []  # [threadpoolctl's controller of numpy's BLAS, or None when there is none], found once
 
 
-def workers() -> int:
-    """Threads for a pass: the BLAS thread count in force now (OPENBLAS_NUM_THREADS without threadpoolctl)."""
+def _blas_controller():
+    """threadpoolctl's controller of numpy's BLAS, or None (threadpoolctl cannot read it), found once."""
     if not _blas:
         try:
             from threadpoolctl import ThreadpoolController
 
             found = ThreadpoolController().select(user_api="blas").lib_controllers
             _blas.append(found[0] if found else None)
-        except Exception:  # threadpoolctl missing or unable to read this BLAS
+        except Exception:  # threadpoolctl unable to read this BLAS
             _blas.append(None)
-    if _blas[0] is None:
+    return _blas[0]
+
+
+def workers() -> int:
+    """Threads for a pass: the BLAS thread count in force now (OPENBLAS_NUM_THREADS without threadpoolctl)."""
+    blas = _blas_controller()
+    if blas is None:
         return max(1, int(os.environ.get("OPENBLAS_NUM_THREADS", "1") or 1))
-    return max(1, int(_blas[0].get_num_threads()))
+    return max(1, int(blas.get_num_threads()))
+
+
+def blas_description() -> str:
+    """numpy's BLAS as threadpoolctl names it (library, version, kernels' architecture), and the
+    core type forced on OpenBLAS: what decides which of its kernels run."""
+    blas = _blas_controller()
+    name = "unknown BLAS" if blas is None else " ".join(
+        str(blas.info().get(field)) for field in ("internal_api", "version", "architecture"))
+    return f"{name} {os.environ.get('OPENBLAS_CORETYPE', '')}".strip()
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:

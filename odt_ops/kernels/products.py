@@ -15,8 +15,12 @@ be computed as
 All three are the same sums; they may round differently in the last bits (OpenBLAS's kernels
 block and vectorize each call differently), so the choice is made once per (shape, layouts,
 dtype) and never changes afterwards: each plan node keeps what it chose (``ProductRecord``),
-and within a process every node meeting the same key gets the same choice (a write-once
-table), so two runs of the same plan are bit-identical.
+within a process every node meeting the same key gets the same choice (a write-once table),
+and a calibrated choice is recorded in a small JSON file per machine (``ODT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/odt``, else ``~/.cache/odt``; one file per CPU model, numpy and BLAS build and
+thread count), so later processes on that machine adopt it instead of timing again: two runs of
+the same plan, in one process or in two, are bit-identical. Where the cache cannot be written
+(a read-only home) the choice holds for the process only.
 
 The rule (environment ``ODT_GEMM``): ``calibrate`` times the formulations on the first
 operands of each key (best of a few runs each, a few milliseconds per key, only for products
@@ -28,14 +32,21 @@ machines and runs, so then it is ``direct``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from odt_ops.errors import ArgumentError
+from odt_ops.io import atomic_write_bytes
+from odt_ops.kernels import parallel
 
 FORMULATIONS = ("direct", "swapped", "packed")
 RULES = ("calibrate", *FORMULATIONS)
@@ -91,6 +102,60 @@ def calibrate(A: np.ndarray, B: np.ndarray) -> tuple[str, dict[str, float]]:
 
 # key -> (formulation, the times that chose it): written once per key for the whole process
 _DECIDED: dict[Key, tuple[str, dict[str, float]]] = {}
+_RECORDED: list = []  # [the machine's recorded choices {key text: formulation}], read once
+
+
+def _machine() -> str:
+    """What a choice depends on besides the shapes: the CPU, numpy, its BLAS and its threads."""
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}|numpy {np.__version__}|{parallel.blas_description()}|threads {parallel.workers()}"
+
+
+def cache_file() -> Path:
+    """This machine's record of calibrated choices."""
+    root = os.environ.get("ODT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "odt")
+    digest = hashlib.sha256(_machine().encode()).hexdigest()[:16]
+    return Path(root) / f"gemm-{digest}.json"
+
+
+def _key_text(key: Key) -> str:
+    return ",".join(map(str, key))
+
+
+def _read_recorded(path: Path) -> dict[str, str]:
+    """The recorded choices; a missing, unreadable or foreign file records nothing (it is only a
+    cache: the products are recalibrated and the file rewritten)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, dict):
+        return {}
+    return {k: v for k, v in choices.items() if isinstance(k, str) and v in FORMULATIONS}
+
+
+def _recorded() -> dict[str, str]:
+    if not _RECORDED:
+        _RECORDED.append(_read_recorded(cache_file()))
+    return _RECORDED[0]
+
+
+def _record(key: Key, how: str) -> None:
+    path = cache_file()
+    choices = _read_recorded(path)  # another process may have recorded keys since this one read
+    if choices.get(_key_text(key)) == how:
+        return
+    choices[_key_text(key)] = how
+    with contextlib.suppress(OSError):  # a read-only cache: the choice holds for this process only
+        atomic_write_bytes(path, json.dumps({"machine": _machine(), "choices": choices}, indent=1).encode())
+    _recorded().update(choices)
 
 
 def decide(A: np.ndarray, B: np.ndarray, how: str) -> str:
@@ -103,7 +168,12 @@ def decide(A: np.ndarray, B: np.ndarray, how: str) -> str:
         return "direct"
     key = (M, K, N, _layout(A), _layout(B), A.dtype.name)
     if key not in _DECIDED:
-        _DECIDED[key] = calibrate(A, B)
+        recorded = _recorded().get(_key_text(key))
+        if recorded is not None:
+            _DECIDED[key] = (recorded, {})
+        else:
+            _DECIDED[key] = calibrate(A, B)
+            _record(key, _DECIDED[key][0])
     return _DECIDED[key][0]
 
 

@@ -1,6 +1,7 @@
 """Matrix products through their chosen formulation (odt_ops/kernels/products.py): every
 formulation equals numpy's plain ``x @ W`` within float32 rounding, for every operand layout;
-the choice is made once per shape and kept, so a plan's runs are bit-identical."""
+the choice is made once per shape and kept, and recorded per machine, so a plan's runs are
+bit-identical in one process and across processes."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +17,14 @@ from odt_ops.runtime.plan import Plan
 # the personalization model's first layer (the slow shape reported on AVX2), a few rows against
 # many columns, a weight gradient's shape, and odd sizes
 SHAPES = [(64, 784, 256), (16, 784, 128), (256, 64, 784), (7, 33, 5)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices(monkeypatch, tmp_path):
+    """Each test starts as a new process on a machine with no recorded choices."""
+    monkeypatch.setenv("ODT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(products, "_DECIDED", {})
+    monkeypatch.setattr(products, "_RECORDED", [])
 
 
 def _operands(rng, m, k, n, dtype, a_layout, b_layout):
@@ -68,7 +77,6 @@ def test_a_plan_keeps_its_first_choice_so_its_runs_are_bit_identical(monkeypatch
     the plan must still run the first answer on every later step."""
     answers = iter(["swapped", "direct", "packed", "direct"])
     monkeypatch.setattr(products, "calibrate", lambda A, B: (next(answers), {}))
-    monkeypatch.setattr(products, "_DECIDED", {})
     monkeypatch.setenv("ODT_GEMM", "calibrate")
     rng = np.random.default_rng(0)
     x, W, b = rng.standard_normal((64, 784), np.float32), rng.standard_normal((256, 784), np.float32), rng.standard_normal(256, np.float32)
@@ -103,3 +111,69 @@ def test_the_rule_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("ODT_GEMM", "fastest")
     with pytest.raises(ArgumentError, match="ODT_GEMM='fastest'.*calibrate, direct, swapped, packed"):
         products.rule()
+
+
+def _new_process(monkeypatch):
+    """What a new process knows: nothing decided, the machine's record not yet read."""
+    monkeypatch.setattr(products, "_DECIDED", {})
+    monkeypatch.setattr(products, "_RECORDED", [])
+
+
+def test_a_calibrated_choice_is_recorded_so_the_next_process_on_the_machine_adopts_it(monkeypatch):
+    """A noisy timer may answer differently in each process; a seeded rerun must still compute the
+    same bits, so the second process takes the first one's recorded choice and never times."""
+    rng = np.random.default_rng(2)
+    A, B = _operands(rng, 64, 784, 256, np.float32, "N", "T")
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("packed", {"direct": 2.0, "packed": 1.0}))
+    assert products.decide(A, B, "calibrate") == "packed"
+    assert products.cache_file().is_file()
+
+    _new_process(monkeypatch)
+
+    def timing_again(A, B):
+        raise AssertionError("a recorded choice was timed again")
+
+    monkeypatch.setattr(products, "calibrate", timing_again)
+    assert products.decide(A, B, "calibrate") == "packed"
+    # a different key is still calibrated
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("swapped", {}))
+    C, D = _operands(rng, 32, 784, 256, np.float32, "N", "T")
+    assert products.decide(C, D, "calibrate") == "swapped"
+    _new_process(monkeypatch)
+    monkeypatch.setattr(products, "calibrate", timing_again)
+    assert [products.decide(A, B, "calibrate"), products.decide(C, D, "calibrate")] == ["packed", "swapped"]
+
+
+def test_another_machine_or_blas_build_does_not_adopt_the_choice(monkeypatch):
+    rng = np.random.default_rng(3)
+    A, B = _operands(rng, 64, 784, 256, np.float32, "N", "T")
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("packed", {}))
+    products.decide(A, B, "calibrate")
+    _new_process(monkeypatch)
+    monkeypatch.setattr(products, "_machine", lambda: "another CPU|numpy 2|openblas Haswell|threads 1")
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("direct", {}))
+    assert products.decide(A, B, "calibrate") == "direct"
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"[1, 2]", b'{"choices": {"64,784,256,C,F,float32": "fastest"}}'])
+def test_a_damaged_record_is_only_a_cache_it_is_recalibrated_and_rewritten(monkeypatch, content):
+    rng = np.random.default_rng(4)
+    A, B = _operands(rng, 64, 784, 256, np.float32, "N", "T")
+    products.cache_file().parent.mkdir(parents=True)
+    products.cache_file().write_bytes(content)
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("swapped", {}))
+    assert products.decide(A, B, "calibrate") == "swapped"
+    _new_process(monkeypatch)
+    assert products._read_recorded(products.cache_file()) == {"64,784,256,C,F,float32": "swapped"}
+
+
+def test_a_read_only_cache_keeps_the_choice_for_the_process(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("ODT_CACHE_DIR", str(blocked / "odt"))
+    rng = np.random.default_rng(5)
+    A, B = _operands(rng, 64, 784, 256, np.float32, "N", "T")
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("swapped", {}))
+    assert products.decide(A, B, "calibrate") == "swapped"
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("direct", {}))
+    assert products.decide(A, B, "calibrate") == "swapped"
