@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from onnx import helper
 
 import odt_ops.grad.rules  # noqa: F401 - registers every rule
@@ -82,9 +81,9 @@ def _run_small_suite(directory: Path, *args: str, dummy: bool) -> subprocess.Com
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("workers", [["-n", "2"], []], ids=["xdist", "one-process"])
-def test_a_registered_rule_without_a_finite_difference_check_fails_the_session(tmp_path, workers):
-    run = _run_small_suite(tmp_path, *workers, dummy=True)
+def test_a_registered_rule_without_a_finite_difference_check_fails_the_session(tmp_path):
+    # under xdist, as the README runs the suite: the workers' records reach the controller
+    run = _run_small_suite(tmp_path, "-n", "2", dummy=True)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "2 passed" in run.stdout, run.stdout  # every test passed: the session check failed it
     assert "gradient rules without a finite-difference check" in run.stdout, run.stdout
@@ -92,7 +91,8 @@ def test_a_registered_rule_without_a_finite_difference_check_fails_the_session(t
 
 
 def test_a_session_whose_checks_cover_every_rule_passes(tmp_path):
-    run = _run_small_suite(tmp_path, "-n", "2", dummy=False)
+    # in one process (had its own record not been read, Relu and Tanh would be reported)
+    run = _run_small_suite(tmp_path, dummy=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "without a finite-difference check" not in run.stdout, run.stdout
 
