@@ -6,15 +6,17 @@ from collections.abc import Iterable
 
 import onnx
 
+SPELLINGS = ("", "ai.onnx")  # the only place they are spelled: check with is_default, key with canonical
+
 
 def is_default(domain: str) -> bool:
     """Whether ``domain`` names ONNX's default operator set."""
-    return domain in ("", "ai.onnx")
+    return domain in SPELLINGS
 
 
 def canonical(domain: str) -> str:
     """``domain`` with the default domain spelled ""."""
-    return "" if domain == "ai.onnx" else domain
+    return "" if is_default(domain) else domain
 
 
 def opset_versions(imports: Iterable[onnx.OperatorSetIdProto]) -> dict[str, int]:

@@ -28,6 +28,8 @@ from odt_ops.ir.modes import set_inference_mode
 from odt_ops.runtime.plan import Plan
 from odt_ops.runtime.session import ValueSpec
 
+_NO_EVAL_MODEL = "this Module has no eval model; pass eval_model_uri to Module(...)"
+
 
 class ContiguousParameters(np.ndarray):
     """What get_contiguous_parameters returns: a numpy array that also answers ONNX Runtime's
@@ -105,6 +107,17 @@ def _without_readers_of(graph: onnx.GraphProto, names: set[str]) -> onnx.GraphPr
 def _as_array(x) -> np.ndarray:
     """A numpy array, or an ONNX Runtime OrtValue (anything with ``.numpy()``) read as one."""
     return x if isinstance(x, np.ndarray) else x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+
+def _fixed_spec(spec: ValueSpec, source: str) -> tuple[tuple[int, ...], np.dtype]:
+    """A parameter's or buffer's shape and dtype, which the training graph must fix: the
+    checkpoint holds one array of that shape for it."""
+    shape, dtype = spec.shape, spec.dtype
+    if shape is None or dtype is None or not all(isinstance(d, int) for d in shape):
+        what = "no element type" if dtype is None else "no shape" if shape is None else f"the shape {list(shape)}"
+        raise ArtifactError(f"{source}: the parameter or buffer input {spec.name!r} has {what}; a parameter's element "
+                            "type and every dimension must be fixed in the training graph (generate the artifacts again)")
+    return tuple(d for d in shape if isinstance(d, int)), dtype
 
 
 def _check_loss(loss: np.ndarray) -> None:
@@ -185,7 +198,7 @@ class Module:
     def _bind(self, graph: onnx.GraphProto, source: str) -> None:
         specs = {v.name: ValueSpec.of(v, source) for v in graph.input}
         info = self._info
-        expected = {n: (tuple(specs[n].shape), specs[n].dtype) for n in (*info.parameters, *info.buffers)}
+        expected = {n: _fixed_spec(specs[n], source) for n in (*info.parameters, *info.buffers)}
         # a weight that only ever enters Gemm as a transposed B is stored transposed, so BLAS reads
         # B^T as a plain row-major matrix (what onnxruntime gets by prepacking constant weights;
         # a 784x256 layer at batch 64: 0.30 -> 0.27 ms). Its gradient and optimizer states share
@@ -212,16 +225,21 @@ class Module:
 
     def eval(self) -> Module:
         if self.compiled_eval is None:
-            raise InputError("this Module has no eval model; pass eval_model_uri to Module(...)")
+            raise InputError(_NO_EVAL_MODEL)
         self.training = False
         return self
+
+    def _step(self) -> CompiledStep:
+        """The compiled step of the current mode (``train(False)`` without an eval model has none)."""
+        step = self.compiled_train if self.training else self.compiled_eval
+        if step is None:
+            raise InputError(_NO_EVAL_MODEL)
+        return step
 
     def __call__(self, *user_inputs):
         if self._ckpt.missing:
             self.require_loaded()
-        step = self.compiled_train if self.training else self.compiled_eval
-        if step is None:
-            raise InputError("this Module has no eval model; pass eval_model_uri to Module(...)")
+        step = self._step()
         specs = step.inputs
         if len(user_inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({[s.name for s in specs]}), got {len(user_inputs)}")
@@ -262,8 +280,7 @@ class Module:
         self._reset_grad = True
 
     def input_names(self) -> list[str]:
-        step = self.compiled_train if self.training else self.compiled_eval
-        return [s.name for s in step.inputs]
+        return [s.name for s in self._step().inputs]
 
     def output_names(self) -> list[str]:
         info = self._info if self.training else self._eval_info
@@ -299,7 +316,7 @@ class Module:
         """An inference-only model: the eval graph without loss and labels, weights baked in."""
         from odt_ops.export import export_inference_model
 
-        if self.compiled_eval is None:
+        if self._eval_proto is None:  # set with compiled_eval
             raise InputError("exporting needs the eval model; pass eval_model_uri to Module(...)")
         self.require_loaded()
         export_inference_model(Model(self._eval_proto, source=self._eval_source), self._state.checkpoint, inference_model_uri,

@@ -16,7 +16,7 @@ import numpy as np
 
 from odt_ops import meta
 from odt_ops.api.module import Module
-from odt_ops.api.training_state import FlatBuffers, TrainingState
+from odt_ops.api.training_state import TrainingState
 from odt_ops.checkpoint import OptimizerState
 from odt_ops.errors import ArgumentError, ArgumentTypeError, ArtifactError, CheckpointError
 from odt_ops.ir.load import read_model
@@ -28,7 +28,8 @@ _KINDS = {"SGD": optim.SGD, "AdamW": optim.AdamW, "Adam": optim.Adam}
 
 
 def optimizer_from_metadata(data: dict, source: str) -> optim.Optimizer:
-    cls = _KINDS.get(data.get("kind"))
+    kind = data.get("kind")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ArtifactError(f"{source}: unknown optimizer kind {data.get('kind')!r}; known: {sorted(_KINDS)}")
     params = dict(data.get("hyperparameters", {}))
@@ -62,6 +63,9 @@ class Optimizer:
         # what this Optimizer shares with the Module, the CheckpointState and the schedulers
         self.training_state: TrainingState = module.training_state
         ts = self.training_state
+        if ts.roles is None:  # set when a Module binds the state (Module.__init__ does)
+            raise ArgumentError(f"Optimizer({optimizer_uri!r}, module): the module's training state is bound to no training "
+                                "model; pass a Module built from the training artifact")
         listed = [p["name"] for p in data["parameters"]]
         if listed != ts.roles.trainable:
             raise ArtifactError(f"{proto.source}: the optimizer updates {listed}, the training model trains {ts.roles.trainable}")
@@ -69,7 +73,7 @@ class Optimizer:
         saved = ckpt.optimizer
         self._states = {s: module.params.like() for s in self._opt.state_names}
         if saved is None:
-            ckpt.optimizer = OptimizerState(step=0, learning_rate=DEFAULT_LR, initial_learning_rate=DEFAULT_LR)
+            saved = ckpt.optimizer = OptimizerState(step=0, learning_rate=DEFAULT_LR, initial_learning_rate=DEFAULT_LR)
         else:
             for pname in module.params.names:
                 for sname, flat in self._states.items():
@@ -77,8 +81,8 @@ class Optimizer:
                     if value is None:
                         raise CheckpointError(f"{ts.source}: optimizer state {sname!r} of {pname!r} is missing")
                     np.copyto(flat.views[pname], value)
-        ckpt.optimizer.states = {p: {s: flat.views[p] for s, flat in self._states.items()} for p in module.params.names}
-        self._progress: OptimizerState = ckpt.optimizer  # step and learning rates; the same object as ts.optimizer
+        saved.states = {p: {s: flat.views[p] for s, flat in self._states.items()} for p in module.params.names}
+        self._progress: OptimizerState = saved  # step and learning rates; the same object as ts.optimizer
         # per dtype: the update's arguments, made once (the buffers never move)
         grads = module.grads
         self._groups = [([buffer], [grads.buffers[dtype]], [[flat.buffers[dtype] for flat in self._states.values()]])
@@ -104,4 +108,4 @@ class Optimizer:
         return self._opt
 
 
-__all__ = ["FlatBuffers", "Optimizer"]
+__all__ = ["Optimizer"]

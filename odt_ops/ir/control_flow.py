@@ -143,6 +143,8 @@ def _concat_built_sequences(model: Model) -> bool:
         parts.reverse()
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         axis = attrs.get("axis")
+        if not isinstance(axis, int):  # required by the spec; onnx.checker refuses a node without it before this pass
+            continue
         if attrs.get("new_axis", 0):
             grown, axes = [], None
             if model.opset >= 13:
@@ -510,9 +512,9 @@ class _Rewriter:
                 continue
             if not parts:  # no iteration: an empty tensor, which needs the body output's static shape
                 dims = _static_dims(tp)
-                if dims is None or not all(isinstance(d, int) for d in dims):
+                shape = [d for d in dims or () if isinstance(d, int)]
+                if tp is None or dims is None or len(shape) != len(dims):
                     raise _Cannot(f"it runs no iteration and the shape of its scan output {name!r} is not static")
-                shape = list(dims)
                 shape.insert(axis + len(dims) + 1 if axis < 0 else axis, 0)
                 dtype = helper.tensor_dtype_to_np_dtype(tp.tensor_type.elem_type)
                 out.append(helper.make_node("Identity", [self.constant(np.zeros(shape, dtype), f"{name}/empty")], [name],
@@ -660,7 +662,7 @@ def _agreement(a: onnx.TypeProto | None, b: onnx.TypeProto | None) -> str:
 
 def _fully_known(tp: onnx.TypeProto | None) -> bool:
     dims = _static_dims(tp)
-    return dims is not None and all(d is not None for d in dims) and bool(tp.tensor_type.elem_type)
+    return tp is not None and dims is not None and all(d is not None for d in dims) and bool(tp.tensor_type.elem_type)
 
 
 def _same_static_type(a: onnx.TypeProto, b: onnx.TypeProto) -> bool:

@@ -296,7 +296,7 @@ _PRODUCTS = {"": ("Gemm", "MatMul"), fusion.DOMAIN: ("GemmRelu", "MatMulRelu")}
 
 
 def _multiplies(node: onnx.NodeProto) -> bool:
-    return node.op_type in _PRODUCTS.get("" if node.domain == "ai.onnx" else node.domain, ())
+    return node.op_type in _PRODUCTS.get(canonical(node.domain), ())
 
 
 def _comment(step: Step) -> str:

@@ -25,13 +25,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import messages
 from pipeline.config.messages import did_you_mean, unknown_block_key
 from pipeline.config.schema import Blocks, FieldError, arguments, block_nodes, config_class, first_line, section_paths, show
 from pipeline.errors import ConfigError
 from pipeline.paths import project_root
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 CONFIG_NAME = "config"
 PARAMS_PRIMARY = "params_yaml"  # params.yaml as a primary config in Hydra's ConfigStore
@@ -128,18 +131,21 @@ def compose(overrides: Sequence[str] = (), *, root: Path | None = None, base=Non
     return cfg
 
 
-def register_params_primary(base, overrides: Sequence[str], root: Path) -> str:
+def register_params_primary(base: DictConfig, overrides: Sequence[str], root: Path) -> str:
     """Register ``params.yaml``'s content as a primary config in Hydra's ConfigStore and
     return its name: the sections of the groups the overrides switch are left out and
     those groups put in its defaults list (their option comes from ``conf/``), with
     conf/config.yaml's ``hydra`` node and ``override hydra/...`` entries."""
     from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     switches = group_switches(overrides, root=root)
-    primary = OmegaConf.load(root / "conf" / f"{CONFIG_NAME}.yaml")
+    path = root / "conf" / f"{CONFIG_NAME}.yaml"
+    primary = OmegaConf.load(path)
+    if not isinstance(primary, DictConfig):
+        raise ConfigError(f"{path}: not a mapping (a defaults list and sections); restore it from the repository")
     hydra_defaults = [d for d in primary.get("defaults", []) if isinstance(d, Mapping) and str(next(iter(d))).startswith("override hydra/")]
-    body = {k: v for k, v in OmegaConf.to_container(base).items() if k not in switches and k != "defaults"}
+    body = {k: v for k, v in _plain_dict(base).items() if k not in switches and k != "defaults"}
     node = {"defaults": [*({g: o} for g, o in switches.items()), "_self_", *hydra_defaults], **body}
     if "hydra" in primary:
         node["hydra"] = OmegaConf.to_container(primary.hydra)
@@ -246,7 +252,17 @@ def to_container(cfg) -> dict:
     """Plain dict (enums as strings) for JSON files and MLflow params."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    return _plain_dict(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+
+
+def _plain_dict(node: DictConfig, **options: Any) -> dict:
+    """A DictConfig as a plain dict (OmegaConf.to_container's own type is any container)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(node, **options)
+    if not isinstance(plain, dict):  # a DictConfig gives a dict; a broken one names itself here, not in a caller
+        raise ConfigError(f"expected a mapping of sections, got {type(plain).__name__}")
+    return plain
 
 
 def main(argv: Sequence[str] | None = None) -> int:

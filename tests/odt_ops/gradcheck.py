@@ -19,11 +19,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from odt_ops.domain import canonical
 from odt_ops.grad import build_gradients
+from odt_ops.ir.graph import all_nodes, node_reads, topological_order
 from odt_ops.runtime.plan import Plan, missing_kernels
 
 OPSET = 21
 EXECUTORS: Counter = Counter()  # which engine ran the gradient graphs
+# (domain, op type) of every node a passing check_gradients differentiated in this process;
+# tests/fd_coverage.py compares the session's record with the gradient registry
+CHECKED: set[tuple[str, str]] = set()
 FLOAT_KINDS = "f"
 
 
@@ -202,7 +207,22 @@ def check_gradients(
         assert got.dtype == want.dtype, f"{p}: gradient {got.dtype}{got.shape} for a {want.dtype}{want.shape} parameter"
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"gradient of {p}")
         errors[p] = float(np.max(np.abs(got - want))) if got.size else 0.0
+    CHECKED.update(differentiated_ops(model, wrt))
     return errors
+
+
+def differentiated_ops(model: onnx.ModelProto, wrt: Collection[str]) -> set[tuple[str, str]]:
+    """(domain, op type) of the nodes that read a value depending on ``wrt``: the nodes whose
+    gradient rules the check ran (with every node of their subgraphs, e.g. a Loop's body)."""
+    graph = model.graph
+    reached = set(wrt)
+    ops = set()
+    available = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    for node in topological_order(graph, available):
+        if reached.intersection(node_reads(node)):
+            reached.update(node.output)
+            ops.update((canonical(n.domain), n.op_type) for n in all_nodes([node]))
+    return ops
 
 
 __all__ = ["check_gradients", "compile_model", "make_model", "numeric_gradients", "training_model", "with_projection_loss"]

@@ -7,13 +7,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import onnx
 
+from odt_ops.domain import SPELLINGS
 from odt_ops.errors import ArgumentError
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.graph import consumers, producers
 from odt_ops.kernels import lookup
 
 DOMAIN = "odt_ops.fused"
-STANDARD = ("", "ai.onnx")  # the default domain's two spellings (odt_ops/domain.py), as the matchers' domains tuple
+STANDARD = SPELLINGS  # the default domain's two spellings, as the matchers' domains tuple
 
 Pass = Callable[["Graph"], bool]
 Factory = Callable[[dict, int], Callable[..., tuple]]  # (fused node attributes, ai.onnx opset) -> kernel
