@@ -96,8 +96,8 @@ def _match_cell(g: Graph, sigmoid: onnx.NodeProto):
     try:
         walk.keep(sigmoid)
         cut = walk.producer(sigmoid.input[0], "Split")
-        iof, candidate = cut.output
         three, H = _split_sizes(g, cut, 2)
+        iof, candidate = cut.output
         if iof != sigmoid.input[0] or three != 3 * H:
             raise LookupError
         gates = cut.input[0]
