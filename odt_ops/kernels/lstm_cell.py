@@ -55,9 +55,8 @@ def lstm_cell_grad(dY, d_next, RT, d_hidden, d_state_in, tanh_state, o, tc, i, f
     if any(v is not None and v.dtype != dtype for v in (tanh_state, o, tc, i, f, c, s)) or d_hidden.ndim != 2:
         raise ValueError("the fused LSTM cell gradient needs 2-D operands of one dtype")
     batch = d_hidden.shape[0]
-    # the two Concats' results, built in place: each product lands in the slice Concat would copy it to
+    # the first Concat's result built in place: each product lands in the slice Concat would copy it to
     d_iof = np.empty((batch, 3 * H), dtype=dtype)
-    d_gates = np.empty((batch, 4 * H), dtype=dtype)
     d_output = np.multiply(d_hidden, tanh_state, out=d_iof[:, H:2 * H])
     d_tanh_state = np.multiply(d_hidden, o)
     d_from_hidden = tanh_grad(d_tanh_state, tanh_state, one_state)[0]
@@ -68,7 +67,6 @@ def lstm_cell_grad(dY, d_next, RT, d_hidden, d_state_in, tanh_state, o, tc, i, f
     d_tanh_candidate = np.multiply(d_state, i)
     d_candidate = tanh_grad(d_tanh_candidate, tc, one_candidate)[0]
     d_iof_pre = sigmoid_grad(d_iof, s, one_gates)[0]
-    d_gates[:, :3 * H] = d_iof_pre
-    d_gates[:, 3 * H:] = d_candidate
+    d_gates = np.concatenate((d_iof_pre, d_candidate), axis=1)
     return (d_recurrent, d_hidden, d_output, d_tanh_state, d_from_hidden, d_state, d_forget, d_previous_state, d_input,
             d_tanh_candidate, d_candidate, d_iof, d_iof_pre, d_gates)
