@@ -1,5 +1,5 @@
-"""The fused LSTM cell (odt_ops/runtime/fusion/recurrent.py): PyTorch LSTM exports trained with
-AdamW through the plan with the lstm_cell pass and without it give the same bits (loss, every
+"""The fused LSTM and GRU cells (odt_ops/runtime/fusion/recurrent.py): PyTorch exports trained with
+AdamW through the plan with the lstm_cell / gru_cell pass and without it give the same bits (loss, every
 gradient, every parameter after each step), and both train as torch autograd and torch's AdamW
 do, within float32 rounding."""
 from __future__ import annotations
@@ -27,13 +27,13 @@ LR = 1e-3  # the Optimizer's default, onnxruntime's
 
 
 class Tagger(nn.Module):
-    """An LSTM over the sequence, its last step's output into a linear head."""
+    """An LSTM or GRU over the sequence, its last step's output into a linear head."""
 
-    def __init__(self, batch_first: bool, bidirectional: bool):
+    def __init__(self, kind: str, batch_first: bool, bidirectional: bool):
         super().__init__()
         torch.manual_seed(0)
         self.batch_first = batch_first
-        self.rnn = nn.LSTM(FEATURES, HIDDEN, batch_first=batch_first, bidirectional=bidirectional)
+        self.rnn = getattr(nn, kind)(FEATURES, HIDDEN, batch_first=batch_first, bidirectional=bidirectional)
         self.head = nn.Linear(HIDDEN * (2 if bidirectional else 1), CLASSES)
 
     def forward(self, x):
@@ -63,14 +63,15 @@ def _train(directory, x, labels) -> tuple[list, list[dict], dict, Counter]:
     return losses, grads, params, Counter(model.compiled_train.plan.fusions)
 
 
-@pytest.mark.parametrize("batch_first, bidirectional", [(True, False), (False, False), (True, True)])
-def test_fused_lstm_cells_train_bit_for_bit_as_the_unrolled_graph_and_like_torch(batch_first, bidirectional, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, batch_first, bidirectional", [("LSTM", True, False), ("LSTM", False, False), ("LSTM", True, True),
+                                                              ("GRU", True, False), ("GRU", False, True)])
+def test_fused_cells_train_bit_for_bit_as_the_unrolled_graph_and_like_torch(kind, batch_first, bidirectional, tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, T, FEATURES) if batch_first else (T, BATCH, FEATURES)).astype(np.float32)
     labels = rng.integers(0, CLASSES, BATCH).astype(np.int64)
-    module = Tagger(batch_first, bidirectional).eval()
+    module = Tagger(kind, batch_first, bidirectional).eval()
     proto = _export(module, x)
-    assert "LSTM" in {n.op_type for n in proto.graph.node}
+    assert kind in {n.op_type for n in proto.graph.node}
     # each initializer that is a torch parameter (in ONNX's layout), found by its exported value
     loss_fn = nn.CrossEntropyLoss()
     loss_fn(module(torch.from_numpy(x)), torch.from_numpy(labels)).backward()  # torch_counterparts reads .grad
@@ -85,13 +86,13 @@ def test_fused_lstm_cells_train_bit_for_bit_as_the_unrolled_graph_and_like_torch
     # this export writes the zero initial state as a constant, which the unrolling drops: each
     # direction's first step has no state coming in and stays as written
     cells = (T - 1) * (2 if bidirectional else 1)
-    assert fused["LSTMCell"] == cells and fused["LSTMCellGrad"] == cells, fused
+    assert fused[f"{kind}Cell"] == cells and fused[f"{kind}CellGrad"] == cells, fused
 
     # the oracle for equality: the same artifacts through the plan without the pass
     with monkeypatch.context() as m:
-        m.delitem(fusion.FUSIONS, "lstm_cell")
+        m.delitem(fusion.FUSIONS, f"{kind.lower()}_cell")
         plain_losses, plain_grads, plain_params, plain = _train(tmp_path, x, labels)
-    assert "LSTMCell" not in plain and "LSTMCellGrad" not in plain
+    assert f"{kind}Cell" not in plain and f"{kind}CellGrad" not in plain
     for step in range(STEPS):
         np.testing.assert_array_equal(losses[step], plain_losses[step], err_msg=f"loss, step {step}")
         assert grads[step].keys() == plain_grads[step].keys()

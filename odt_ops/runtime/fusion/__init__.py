@@ -30,6 +30,7 @@ ORDER = (
     "divide_by_size",
     "normalization_grad",
     "lstm_cell",  # after activation_grad: an LSTM step's gradient is matched with its SigmoidGrad and TanhGrad nodes
+    "gru_cell",  # likewise
 )
 run_in_order(ORDER)
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import onnx
 
 from odt_ops.ir.attributes import node_attributes
+from odt_ops.kernels import gru_cell as gru
 from odt_ops.kernels.lstm_cell import CELL_VALUES, GRAD_VALUES, lstm_cell, lstm_cell_grad
 from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, bind, fused_node, fused_op, fusion, kernel_of
 
@@ -211,10 +212,15 @@ def _recurrent_head(g: Graph, walk: _Walk, d_hidden: str, values: dict[str, str]
                             "alpha": float(attrs.get("alpha", 1.0))}
 
 
+def _activation_grads(opset: int) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
+    """TanhGrad and SigmoidGrad as the activation_grad fusion binds them: the same bits as its nodes."""
+    tanh_grad, sigmoid_grad = (bind(fused_node(op, ["dY", "Y", "one"], ["dX"], op), opset) for op in ("TanhGrad", "SigmoidGrad"))
+    return tanh_grad, sigmoid_grad
+
+
 @fused_op("LSTMCellGrad")
 def _lstm_cell_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
-    # the activation gradients as the activation_grad fusion binds them: the same bits as its nodes
-    tanh_grad, sigmoid_grad = (bind(fused_node(op, ["dY", "Y", "one"], ["dX"], op), opset) for op in ("TanhGrad", "SigmoidGrad"))
+    tanh_grad, sigmoid_grad = _activation_grads(opset)
     gemm = None
     if "trans_b" in attrs:
         gemm = kernel_of("Gemm", opset, transA=int(attrs["trans_a"]), transB=int(attrs["trans_b"]), alpha=float(attrs["alpha"]))
@@ -243,5 +249,136 @@ def _lstm_cells(g: Graph) -> bool:
             nodes, inputs, values, attrs = match
             fused = fused_node("LSTMCellGrad", inputs, _outputs(g, nodes, values, GRAD_VALUES),
                                f"fused/{concat.name or concat.output[0]}", **attrs)
+            changed = g.replace(nodes, fused) or changed
+    return changed
+
+
+# ---------------------------------------------------------------- GRU (linear_before_reset, PyTorch's)
+
+
+def _match_gru_cell(g: Graph, sigmoid: onnx.NodeProto):
+    """(nodes, inputs, values by gru.CELL_VALUES role, hidden size) if ``sigmoid`` is the z and r
+    activation of an unrolled GRU step with linear_before_reset and a recurrent bias, else None."""
+    walk = _Walk(g)
+    try:
+        walk.keep(sigmoid)
+        add = walk.producer(sigmoid.input[0], "Add")
+        a, b = _inputs(add, 2)
+        from_product = [v for v in (a, b) if (s := g.producer(v, "Split")) is not None and g.producer(s.input[0], "MatMul")]
+        if len(from_product) != 1:
+            raise LookupError
+        h_cut = walk.producer(from_product[0], "Split")
+        x_cut = walk.producer(_other(add, from_product[0]), "Split")
+        two, H = _split_sizes(g, h_cut, 2)
+        if two != 2 * H or _split_sizes(g, x_cut, 2) != [2 * H, H] or h_cut.output[0] not in (a, b) or x_cut.output[0] not in (a, b):
+            raise LookupError
+        product = walk.producer(h_cut.input[0], "MatMul")
+        h, RT = _inputs(product, 2)
+        x = x_cut.input[0]
+        (x_gates, x_candidate), (h_gates, h_candidate) = x_cut.output, h_cut.output
+        s = sigmoid.output[0]
+        pair_cut = walk.reader(s, "Split", lambda n: n.input[0] == s)
+        if _split_sizes(g, pair_cut, 2) != [H, H]:
+            raise LookupError
+        update, reset = pair_cut.output
+        inner_add = walk.reader(h_candidate, "Add", lambda n: True)
+        inner = inner_add.output[0]
+        recurrent_bias = _other(inner_add, h_candidate)
+        reset_inner = walk.reader(inner, "Mul", lambda n: _other(n, inner) == reset)
+        pre_add = walk.reader(reset_inner.output[0], "Add", lambda n: _other(n, reset_inner.output[0]) == x_candidate)
+        tanh = walk.reader(pre_add.output[0], "Tanh", lambda n: True)
+        candidate = tanh.output[0]
+        keep_new = walk.reader(update, "Sub", lambda n: list(n.input[1:]) == [update] and g.is_one(n.input[0]))
+        new = walk.reader(keep_new.output[0], "Mul", lambda n: _other(n, keep_new.output[0]) == candidate)
+        kept = walk.reader(update, "Mul", lambda n: _other(n, update) == h)
+        output = walk.reader(new.output[0], "Add", lambda n: _other(n, new.output[0]) == kept.output[0])
+    except LookupError:
+        return None
+    named = (product.output[0], x_gates, x_candidate, h_gates, h_candidate, add.output[0], s, update, reset, inner,
+             reset_inner.output[0], pre_add.output[0], candidate, keep_new.output[0], new.output[0], kept.output[0],
+             output.output[0])
+    return walk.nodes, [x, h, RT, recurrent_bias, keep_new.input[0]], dict(zip(gru.CELL_VALUES, named)), H
+
+
+@fused_op("GRUCell")
+def _gru_cell(attrs: dict, opset: int) -> Callable[..., tuple]:
+    matmul, sigmoid, tanh = kernel_of("MatMul", opset), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
+    hidden = int(attrs["hidden_size"])
+    return lambda *args: gru.gru_cell(*args, hidden=hidden, matmul=matmul, sigmoid=sigmoid, tanh=tanh)
+
+
+def _match_gru_cell_grad(g: Graph, sigmoid_grad: onnx.NodeProto):
+    """(nodes, inputs, values by gru.GRAD_VALUES role, attributes) if ``sigmoid_grad`` is the z and r
+    gradient of an unrolled GRU step (from d h' to the Concats that feed the recurrent Gemm and
+    the input projection's gradient), else None."""
+    walk = _Walk(g)
+    try:
+        walk.keep(sigmoid_grad)
+        d_gate_pair, s, one_gates = _inputs(sigmoid_grad, 3)
+        pair = walk.producer(d_gate_pair, "Concat")
+        d_update, d_reset = _concat_on_columns(pair, 2)
+        total = walk.producer(d_update, "Sum")
+        a, b = _inputs(total, 2)
+        negated = walk.producer(b if g.producer(b, "Neg") else a, "Neg")
+        update_kept = walk.producer(_other(total, negated.output[0]), "Mul")
+        keep_new_mul = walk.producer(negated.input[0], "Mul")
+        d_hidden, h = _inputs(update_kept, 2)
+        candidate = keep_new_mul.input[1]
+        reset_mul = walk.producer(d_reset, "Mul")
+        d_pre, inner = _inputs(reset_mul, 2)
+        candidate_grad = walk.producer(d_pre, "TanhGrad", (DOMAIN,))
+        d_candidate, candidate_again, one_candidate = _inputs(candidate_grad, 3)
+        candidate_mul = walk.producer(d_candidate, "Mul")
+        if keep_new_mul.input[0] != d_hidden or candidate_again != candidate or candidate_mul.input[0] != d_hidden:
+            raise LookupError
+        keep_new = candidate_mul.input[1]
+        inner_mul = walk.reader(d_pre, "Mul", lambda n: n.input[0] == d_pre and n is not reset_mul)
+        reset = inner_mul.input[1]
+        d_gates = sigmoid_grad.output[0]
+        d_inner = inner_mul.output[0]
+        to_product = walk.reader(d_gates, "Concat", lambda n: list(n.input) == [d_gates, d_inner])
+        to_x = walk.reader(d_gates, "Concat", lambda n: list(n.input) == [d_gates, d_pre])
+        _concat_on_columns(to_product, 2), _concat_on_columns(to_x, 2)
+        carry = [n for n in g.consumers(d_hidden) if n.op_type == "Mul" and n.domain in STANDARD and n.input[0] == d_hidden
+                 and all(n is not m for m in walk.nodes)]
+        update = ""
+        values = {"d_update_kept": update_kept.output[0], "d_keep_new": keep_new_mul.output[0], "d_candidate": d_candidate,
+                  "d_keep_new_neg": negated.output[0], "d_pre": d_pre, "d_reset": d_reset, "d_inner": d_inner,
+                  "d_update": d_update, "d_gate_pair": d_gate_pair, "d_gates": d_gates,
+                  "d_product": to_product.output[0], "d_x": to_x.output[0]}
+        if len(carry) == 1:
+            update = _inputs(walk.keep(carry[0]), 2)[1]
+            values["d_previous"] = carry[0].output[0]
+    except LookupError:
+        return None
+    inputs = [d_hidden, h, update, candidate, keep_new, inner, reset, s, one_candidate, one_gates]
+    return walk.nodes, inputs, values, {"carry": int(bool(update))}
+
+
+@fused_op("GRUCellGrad")
+def _gru_cell_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
+    tanh_grad, sigmoid_grad = _activation_grads(opset)
+    carry = bool(attrs["carry"])
+    return lambda *args: gru.gru_cell_grad(*args, carry=carry, tanh_grad=tanh_grad, sigmoid_grad=sigmoid_grad)
+
+
+@fusion("gru_cell")
+def _gru_cells(g: Graph) -> bool:
+    """Every matched GRU step -> one GRUCell node; every matched step of its gradient -> one GRUCellGrad
+    (after activation_grad, whose SigmoidGrad and TanhGrad nodes it matches)."""
+    changed = False
+    for sigmoid in [n for n in g.nodes if n.op_type == "Sigmoid" and n.domain in STANDARD]:
+        match = _match_gru_cell(g, sigmoid)
+        if match is not None:
+            nodes, inputs, values, H = match
+            fused = fused_node("GRUCell", inputs, _outputs(g, nodes, values, gru.CELL_VALUES),
+                               f"fused/{sigmoid.name or sigmoid.output[0]}", hidden_size=H)
+            changed = g.replace(nodes, fused) or changed
+    for sigmoid_grad in [n for n in g.nodes if n.op_type == "SigmoidGrad" and n.domain == DOMAIN]:
+        match = _match_gru_cell_grad(g, sigmoid_grad)
+        if match is not None:
+            nodes, inputs, values, attrs = match
+            fused = fused_node("GRUCellGrad", inputs, _outputs(g, nodes, values, gru.GRAD_VALUES),
+                               f"fused/{sigmoid_grad.name or sigmoid_grad.output[0]}", **attrs)
             changed = g.replace(nodes, fused) or changed
     return changed
