@@ -1,4 +1,4 @@
-"""An unrolled LSTM's time steps, forward and gradient, as one node per step each.
+"""An unrolled LSTM's or GRU's time steps, forward and gradient, as one node per step each.
 
 odt_ops/ir/recurrent.py unrolls an LSTM into eleven nodes per step (MatMul, Add, two Splits, a
 Sigmoid over the three gates, two Tanh, three Mul and an Add), and the gradient rules (with the
@@ -9,9 +9,10 @@ arithmetic (odt_ops/kernels/lstm_cell.py). Each fused node lists every value of 
 output, in a fixed order, with "" for the values nothing outside reads, so the rest of the
 graph (the next step, the gradient, the Concats of all steps) reads them under the same names.
 
-Matched: the cell that recurrent.py emits for LSTM's default activations (Sigmoid, Tanh, Tanh)
-without peepholes, input_forget or clip, with a state coming in (every step but the first of
-one without initial_h / initial_c); any other step stays as written.
+Matched: the cells that recurrent.py emits for LSTM's default activations (Sigmoid, Tanh, Tanh)
+without peepholes, input_forget or clip, and for GRU's (Sigmoid, Tanh) with linear_before_reset
+and a bias (PyTorch's GRU), without clip; each with a state coming in (every step but the first
+of one without initial_h / initial_c). Any other step stays as written.
 """
 from __future__ import annotations
 
@@ -87,11 +88,11 @@ def _outputs(g: Graph, nodes: list[onnx.NodeProto], values: dict[str, str], orde
     return [values.get(role, "") if values.get(role, "") in wanted else "" for role in order]
 
 
-# ---------------------------------------------------------------- the forward step
+# ---------------------------------------------------------------- LSTM: the forward step
 
 
-def _match_cell(g: Graph, sigmoid: onnx.NodeProto):
-    """(nodes, inputs, values by CELL_VALUES role, hidden size) if ``sigmoid`` is the gate
+def _match_lstm_cell(g: Graph, sigmoid: onnx.NodeProto):
+    """(nodes, inputs, values by CELL_VALUES role, attributes) if ``sigmoid`` is the gate
     activation of an unrolled LSTM step, else None."""
     walk = _Walk(g)
     try:
@@ -125,7 +126,7 @@ def _match_cell(g: Graph, sigmoid: onnx.NodeProto):
         return None
     named = (product.output[0], gates, iof, candidate, s, i, o, f, tc, kept_input.output[0], kept_state.output[0],
              state, tanh_state.output[0], output.output[0])
-    return walk.nodes, [x, h, RT, c], dict(zip(CELL_VALUES, named)), H
+    return walk.nodes, [x, h, RT, c], dict(zip(CELL_VALUES, named)), {"hidden_size": H}
 
 
 @fused_op("LSTMCell")
@@ -135,10 +136,10 @@ def _lstm_cell(attrs: dict, opset: int) -> Callable[..., tuple]:
     return lambda x, h, RT, c: lstm_cell(x, h, RT, c, hidden=hidden, matmul=matmul, sigmoid=sigmoid, tanh=tanh)
 
 
-# ---------------------------------------------------------------- the gradient of a step
+# ---------------------------------------------------------------- LSTM: the gradient of a step
 
 
-def _match_cell_grad(g: Graph, gates_concat: onnx.NodeProto):
+def _match_lstm_cell_grad(g: Graph, gates_concat: onnx.NodeProto):
     """(nodes, inputs, values by GRAD_VALUES role, attributes) if ``gates_concat`` joins an unrolled
     LSTM step's gate gradients (Concat(SigmoidGrad(Concat(d i, d o, d f)), TanhGrad(d candidate))), else None."""
     walk = _Walk(g)
@@ -228,27 +229,25 @@ def _lstm_cell_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     return lambda *args: lstm_cell_grad(*args, gemm=gemm, carry=carry, tanh_grad=tanh_grad, sigmoid_grad=sigmoid_grad)
 
 
-# ---------------------------------------------------------------- the pass
+# ---------------------------------------------------------------- LSTM: the pass
 
 
 @fusion("lstm_cell")
 def _lstm_cells(g: Graph) -> bool:
     """Every matched LSTM step -> one LSTMCell node; every matched step of its gradient -> one LSTMCellGrad
     (after activation_grad, whose SigmoidGrad and TanhGrad nodes it matches)."""
+    return (_fuse_each(g, "Sigmoid", STANDARD, _match_lstm_cell, "LSTMCell", CELL_VALUES)
+            | _fuse_each(g, "Concat", STANDARD, _match_lstm_cell_grad, "LSTMCellGrad", GRAD_VALUES))
+
+
+def _fuse_each(g: Graph, anchor: str, domains: tuple[str, ...], match: Callable, op_type: str, order: tuple[str, ...]) -> bool:
+    """Each ``anchor`` node that ``match`` places in a step -> that step's nodes as one ``op_type`` node."""
     changed = False
-    for sigmoid in [n for n in g.nodes if n.op_type == "Sigmoid" and n.domain in STANDARD]:
-        match = _match_cell(g, sigmoid)
-        if match is not None:
-            nodes, inputs, values, H = match
-            fused = fused_node("LSTMCell", inputs, _outputs(g, nodes, values, CELL_VALUES),
-                               f"fused/{sigmoid.name or sigmoid.output[0]}", hidden_size=H)
-            changed = g.replace(nodes, fused) or changed
-    for concat in [n for n in g.nodes if n.op_type == "Concat" and n.domain in STANDARD]:
-        match = _match_cell_grad(g, concat)
-        if match is not None:
-            nodes, inputs, values, attrs = match
-            fused = fused_node("LSTMCellGrad", inputs, _outputs(g, nodes, values, GRAD_VALUES),
-                               f"fused/{concat.name or concat.output[0]}", **attrs)
+    for node in [n for n in g.nodes if n.op_type == anchor and n.domain in domains]:
+        found = match(g, node)
+        if found is not None:
+            nodes, inputs, values, attrs = found
+            fused = fused_node(op_type, inputs, _outputs(g, nodes, values, order), f"fused/{node.name or node.output[0]}", **attrs)
             changed = g.replace(nodes, fused) or changed
     return changed
 
@@ -257,7 +256,7 @@ def _lstm_cells(g: Graph) -> bool:
 
 
 def _match_gru_cell(g: Graph, sigmoid: onnx.NodeProto):
-    """(nodes, inputs, values by gru.CELL_VALUES role, hidden size) if ``sigmoid`` is the z and r
+    """(nodes, inputs, values by gru.CELL_VALUES role, attributes) if ``sigmoid`` is the z and r
     activation of an unrolled GRU step with linear_before_reset and a recurrent bias, else None."""
     walk = _Walk(g)
     try:
@@ -297,7 +296,7 @@ def _match_gru_cell(g: Graph, sigmoid: onnx.NodeProto):
     named = (product.output[0], x_gates, x_candidate, h_gates, h_candidate, add.output[0], s, update, reset, inner,
              reset_inner.output[0], pre_add.output[0], candidate, keep_new.output[0], new.output[0], kept.output[0],
              output.output[0])
-    return walk.nodes, [x, h, RT, recurrent_bias, keep_new.input[0]], dict(zip(gru.CELL_VALUES, named)), H
+    return walk.nodes, [x, h, RT, recurrent_bias, keep_new.input[0]], dict(zip(gru.CELL_VALUES, named)), {"hidden_size": H}
 
 
 @fused_op("GRUCell")
@@ -366,19 +365,5 @@ def _gru_cell_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
 def _gru_cells(g: Graph) -> bool:
     """Every matched GRU step -> one GRUCell node; every matched step of its gradient -> one GRUCellGrad
     (after activation_grad, whose SigmoidGrad and TanhGrad nodes it matches)."""
-    changed = False
-    for sigmoid in [n for n in g.nodes if n.op_type == "Sigmoid" and n.domain in STANDARD]:
-        match = _match_gru_cell(g, sigmoid)
-        if match is not None:
-            nodes, inputs, values, H = match
-            fused = fused_node("GRUCell", inputs, _outputs(g, nodes, values, gru.CELL_VALUES),
-                               f"fused/{sigmoid.name or sigmoid.output[0]}", hidden_size=H)
-            changed = g.replace(nodes, fused) or changed
-    for sigmoid_grad in [n for n in g.nodes if n.op_type == "SigmoidGrad" and n.domain == DOMAIN]:
-        match = _match_gru_cell_grad(g, sigmoid_grad)
-        if match is not None:
-            nodes, inputs, values, attrs = match
-            fused = fused_node("GRUCellGrad", inputs, _outputs(g, nodes, values, gru.GRAD_VALUES),
-                               f"fused/{sigmoid_grad.name or sigmoid_grad.output[0]}", **attrs)
-            changed = g.replace(nodes, fused) or changed
-    return changed
+    return (_fuse_each(g, "Sigmoid", STANDARD, _match_gru_cell, "GRUCell", gru.CELL_VALUES)
+            | _fuse_each(g, "SigmoidGrad", (DOMAIN,), _match_gru_cell_grad, "GRUCellGrad", gru.GRAD_VALUES))
