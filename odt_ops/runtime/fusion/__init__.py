@@ -12,7 +12,7 @@ A pass only removes a value that nothing else reads and that the caller does not
 (graph outputs, checked values), and only rewrites what it can prove equal from the
 node attributes and constants; anything else is left for the node-by-node path.
 """
-from odt_ops.runtime.fusion import activations, loss, normalization, reductions, scatter, sizes, windows  # noqa: F401  (registers)
+from odt_ops.runtime.fusion import activations, loss, normalization, recurrent, reductions, scatter, sizes, windows  # noqa: F401  (registers)
 from odt_ops.runtime.fusion.graph import DOMAIN, FUSIONS, STANDARD, Graph, bind, fuse, fused_op, fusion, run_in_order
 
 # The order the passes run in, stated here rather than left to the order of the imports above:
@@ -29,6 +29,8 @@ ORDER = (
     "activation_grad",
     "divide_by_size",
     "normalization_grad",
+    "lstm_cell",  # after activation_grad: an LSTM step's gradient is matched with its SigmoidGrad and TanhGrad nodes
+    "gru_cell",  # likewise
 )
 run_in_order(ORDER)
 

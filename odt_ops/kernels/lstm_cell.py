@@ -1,0 +1,72 @@
+"""One LSTM time step and its gradient as single calls: the arithmetic of the per-step nodes that
+odt_ops/ir/recurrent.py unrolls an LSTM into (and of their gradient rules), one line per node.
+
+The plan's fused cell nodes (runtime/fusion/recurrent.py) run these instead of a dozen kernels on
+[batch, 4*hidden] arrays, where the dispatch cost more than the arithmetic. They give the same
+bits as the nodes: every line applies the same ufunc or kernel to the same operands, with the same
+memory layout wherever it could matter (tanh and exp take SIMD or scalar paths by the strides of
+their operands; products, sums and differences are exact in any layout, so those may be written
+straight into a slice of the array a Concat would have built).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+Kernel = Callable[..., tuple]
+
+# the values of one step, in the order the fused forward node lists them as outputs
+CELL_VALUES = ("product", "gates", "iof", "candidate", "sigmoid", "input", "output", "forget", "tanh_candidate",
+               "kept_input", "kept_state", "state", "tanh_state", "hidden")
+# the values of one step's gradient, in the order the fused gradient node lists them as outputs
+GRAD_VALUES = ("d_recurrent", "d_hidden", "d_output", "d_tanh_state", "d_state_from_hidden", "d_state", "d_forget",
+               "d_previous_state", "d_input", "d_tanh_candidate", "d_candidate", "d_iof", "d_iof_pre", "d_gates")
+
+
+def lstm_cell(x, h, RT, c, *, hidden: int, matmul: Kernel, sigmoid: Kernel, tanh: Kernel) -> tuple:
+    """gates = x + h @ RT; i, o, f = sigmoid(gates[:, :3H]) split; c' = i * tanh(gates[:, 3H:]) + f * c;
+    h' = o * tanh(c'). Returns CELL_VALUES (the unrolled graph's order: i, o, f share one sigmoid)."""
+    H = hidden
+    product = matmul(h, RT)[0]
+    gates = np.add(x, product)
+    iof, candidate = gates[:, :3 * H], gates[:, 3 * H:]  # Split's views
+    s = sigmoid(iof)[0]
+    i, o, f = s[:, :H], s[:, H:2 * H], s[:, 2 * H:]
+    tc = tanh(candidate)[0]  # on the strided view, as the Tanh node gets it
+    kept_input = np.multiply(i, tc)
+    kept_state = np.multiply(f, c)
+    state = np.add(kept_input, kept_state)
+    tanh_state = tanh(state)[0]
+    return product, gates, iof, candidate, s, i, o, f, tc, kept_input, kept_state, state, tanh_state, np.multiply(o, tanh_state)
+
+
+def lstm_cell_grad(dY, d_next, RT, d_hidden, d_state_in, tanh_state, o, tc, i, f, c, s, one_state, one_candidate, one_gates,
+                   *, gemm: Kernel | None, carry: bool, tanh_grad: Kernel, sigmoid_grad: Kernel) -> tuple:
+    """The gradient rules' nodes for one step, from d h' (given, or Gemm(d gates of the next step, RT)
+    plus this step's dY) to d gates = [SigmoidGrad(d i, d o, d f), TanhGrad(d candidate)]; d c (the
+    previous state's share, ``carry``) when the graph wants it. Returns GRAD_VALUES."""
+    H = tc.shape[-1]
+    d_recurrent = None
+    if gemm is not None:
+        d_recurrent = gemm(d_next, RT)[0]
+        d_hidden = d_recurrent if dY is None else np.add(dY, d_recurrent)  # Sum(dY, Gemm)
+    dtype = d_hidden.dtype
+    if any(v is not None and v.dtype != dtype for v in (tanh_state, o, tc, i, f, c, s)) or d_hidden.ndim != 2:
+        raise ValueError("the fused LSTM cell gradient needs 2-D operands of one dtype")
+    batch = d_hidden.shape[0]
+    # the first Concat's result built in place: each product lands in the slice Concat would copy it to
+    d_iof = np.empty((batch, 3 * H), dtype=dtype)
+    d_output = np.multiply(d_hidden, tanh_state, out=d_iof[:, H:2 * H])
+    d_tanh_state = np.multiply(d_hidden, o)
+    d_from_hidden = tanh_grad(d_tanh_state, tanh_state, one_state)[0]
+    d_state = d_from_hidden if d_state_in is None else np.add(d_state_in, d_from_hidden)  # Sum(carried, TanhGrad)
+    d_input = np.multiply(d_state, tc, out=d_iof[:, :H])
+    d_forget = np.multiply(d_state, c, out=d_iof[:, 2 * H:])
+    d_previous_state = np.multiply(d_state, f) if carry else None
+    d_tanh_candidate = np.multiply(d_state, i)
+    d_candidate = tanh_grad(d_tanh_candidate, tc, one_candidate)[0]
+    d_iof_pre = sigmoid_grad(d_iof, s, one_gates)[0]
+    d_gates = np.concatenate((d_iof_pre, d_candidate), axis=1)
+    return (d_recurrent, d_hidden, d_output, d_tanh_state, d_from_hidden, d_state, d_forget, d_previous_state, d_input,
+            d_tanh_candidate, d_candidate, d_iof, d_iof_pre, d_gates)

@@ -1,0 +1,123 @@
+"""The fused LSTM and GRU cells (odt_ops/runtime/fusion/recurrent.py): PyTorch exports trained with
+AdamW through the plan with the lstm_cell / gru_cell pass and without it give the same bits (loss, every
+gradient, every parameter after each step), and both train as torch autograd and torch's AdamW
+do, within float32 rounding."""
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from odt_ops import artifacts
+from odt_ops.api import CheckpointState, Module, Optimizer
+from odt_ops.runtime import fusion
+from tests.odt_ops.test_recurrent import torch_counterparts
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+T, BATCH, FEATURES, HIDDEN, CLASSES, STEPS = 5, 4, 6, 8, 3, 3
+LR = 1e-3  # the Optimizer's default, onnxruntime's
+
+
+class Tagger(nn.Module):
+    """An LSTM or GRU over the sequence, its last step's output into a linear head."""
+
+    def __init__(self, kind: str, batch_first: bool, bidirectional: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.batch_first = batch_first
+        self.rnn = getattr(nn, kind)(FEATURES, HIDDEN, batch_first=batch_first, bidirectional=bidirectional)
+        self.head = nn.Linear(HIDDEN * (2 if bidirectional else 1), CLASSES)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.head(y[:, -1] if self.batch_first else y[-1])
+
+
+def _export(module: nn.Module, x: np.ndarray) -> onnx.ModelProto:
+    buffer = io.BytesIO()
+    torch.onnx.export(module, (torch.from_numpy(x),), buffer, dynamo=False, opset_version=17, input_names=["x"],
+                      output_names=["logits"], training=torch.onnx.TrainingMode.EVAL)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _train(directory, x, labels) -> tuple[list, list[dict], dict, Counter]:
+    """STEPS AdamW steps: the losses, each step's gradients, the parameters after, the plan's fused nodes."""
+    state = CheckpointState.load_checkpoint(str(directory / "checkpoint"))
+    model = Module(str(directory / "training_model.onnx"), state, str(directory / "eval_model.onnx"))
+    optimizer = Optimizer(str(directory / "optimizer_model.onnx"), model)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        losses.append(np.asarray(model(x, labels)).copy())
+        grads.append({n: p.grad.copy() for n, p in state.parameters.items() if p.requires_grad})
+        optimizer.step()
+        model.lazy_reset_grad()
+    params = {n: np.asarray(p.data).copy() for n, p in state.parameters.items()}
+    return losses, grads, params, Counter(model.compiled_train.plan.fusions)
+
+
+@pytest.mark.parametrize("kind, batch_first, bidirectional", [("LSTM", True, False), ("LSTM", False, False), ("LSTM", True, True),
+                                                              ("GRU", True, False), ("GRU", False, True)])
+def test_fused_cells_train_bit_for_bit_as_the_unrolled_graph_and_like_torch(kind, batch_first, bidirectional, tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, T, FEATURES) if batch_first else (T, BATCH, FEATURES)).astype(np.float32)
+    labels = rng.integers(0, CLASSES, BATCH).astype(np.int64)
+    module = Tagger(kind, batch_first, bidirectional).eval()
+    proto = _export(module, x)
+    assert kind in {n.op_type for n in proto.graph.node}
+    # each initializer that is a torch parameter (in ONNX's layout), found by its exported value
+    loss_fn = nn.CrossEntropyLoss()
+    loss_fn(module(torch.from_numpy(x)), torch.from_numpy(labels)).backward()  # torch_counterparts reads .grad
+    forms = {t.name: _torch_form(module, numpy_helper.to_array(t)) for t in proto.graph.initializer
+             if t.data_type == onnx.TensorProto.FLOAT}
+    forms = {name: form for name, form in forms.items() if form is not None}
+    assert len(forms) == 5, sorted(forms)  # W, R, B (both directions in one each) and the head's two
+    artifacts.generate_artifacts(proto, requires_grad=sorted(forms), loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
+
+    losses, grads, params, fused = _train(tmp_path, x, labels)
+    # this export writes the zero initial state as a constant, which the unrolling drops: each
+    # direction's first step has no state coming in and stays as written
+    cells = (T - 1) * (2 if bidirectional else 1)
+    assert fused[f"{kind}Cell"] == cells and fused[f"{kind}CellGrad"] == cells, fused
+
+    # the oracle for equality: the same artifacts through the plan without the pass
+    with monkeypatch.context() as m:
+        m.delitem(fusion.FUSIONS, f"{kind.lower()}_cell")
+        plain_losses, plain_grads, plain_params, plain = _train(tmp_path, x, labels)
+    assert f"{kind}Cell" not in plain and f"{kind}CellGrad" not in plain
+    for step in range(STEPS):
+        np.testing.assert_array_equal(losses[step], plain_losses[step], err_msg=f"loss, step {step}")
+        assert grads[step].keys() == plain_grads[step].keys()
+        for name, grad in grads[step].items():
+            np.testing.assert_array_equal(grad, plain_grads[step][name], err_msg=f"{name} gradient, step {step}")
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, plain_params[name], err_msg=name)
+
+    # the oracle for the values: torch autograd and torch's AdamW (onnxruntime's defaults) on the same
+    # batch: the first gradients within float32 rounding, the losses of every step. (Not the weights:
+    # Adam's first update is lr * sign(gradient), so a gradient that rounds to either side of zero
+    # moves its weight by 2 lr apart in torch and here.)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        want = loss_fn(module(torch.from_numpy(x)), torch.from_numpy(labels))
+        want.backward()
+        np.testing.assert_allclose(losses[step], want.item(), rtol=1e-5 if step == 0 else 1e-4, err_msg=f"loss, step {step}")
+        if step == 0:
+            counterparts = torch_counterparts(module)
+            for name, form in forms.items():
+                np.testing.assert_allclose(grads[0][name], counterparts[form][1], rtol=1e-4, atol=1e-6, err_msg=f"{name} gradient")
+        optimizer.step()
+
+
+def _torch_form(module: nn.Module, value: np.ndarray) -> int | None:
+    """The index of the torch parameter form (tests/odt_ops/test_recurrent.py) an export wrote as ``value``."""
+    return next((k for k, (v, _) in enumerate(torch_counterparts(module)) if v.shape == value.shape and np.array_equal(v, value)), None)
