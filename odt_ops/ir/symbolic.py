@@ -254,6 +254,11 @@ def _shape_taking_output(node: onnx.NodeProto, values: dict[str, _Value], shapes
             return None
         data = shapes.get(ins[0])
         return [_format(m) for m in target.items] if data is not None and len(data) == len(target.items) else None
+    if op == "Tile" and len(ins) > 1:  # x.repeat(n, ...): each dim times its repeat count
+        repeats, data = values.get(ins[1]), shapes.get(ins[0])
+        if repeats is None or repeats.scalar or data is None or len(data) != len(repeats.items):
+            return None
+        return [_format(_mul(_parse(d), m)) for d, m in zip(data, repeats.items)]
     if op not in ("ConstantOfShape", "Expand", "Reshape") or len(ins) < 1:
         return None
     target = values.get(ins[0] if op == "ConstantOfShape" else ins[1]) if len(ins) > (op != "ConstantOfShape") else None
@@ -323,4 +328,6 @@ def _apply(graph: onnx.GraphProto, learned: dict[str, list[Dim]]) -> None:
                 dim.dim_param = d
 
 
-__all__ = ["refine_shapes", "is_unknown"]
+parse_dim = _parse  # a dim as (coefficient, symbols), for the passes that read symbolic shapes
+
+__all__ = ["is_unknown", "parse_dim", "refine_shapes"]

@@ -1,0 +1,438 @@
+"""A static-batch export made to run at any batch.
+
+An export without a dynamic batch axis bakes the batch it was traced with (``B``) into
+constants: Expand's, Tile's and ConstantOfShape's shape inputs (``x.expand(B, ...)``,
+``x.repeat(B, 1)``, ``torch.zeros(B, ...)``, an LSTM's default state), float constants our own
+folding made of those, and Reshape targets (``[T, B*heads, d]``). Once the inputs' batch is
+symbolic these would keep computing for ``B``. A constant that equals ``B`` is not always the
+batch, though: 3 heads at a batch of 3 look the same. So the role of each is read from the data
+flow, never from its value alone:
+
+- Each shape element equal to ``B`` (and each axis of length ``B`` of a folded float constant,
+  uniform along it) is first made a fresh symbol, a *probe*, by rewriting its constant into a
+  Concat around ``Shape(probe input)``. Shape inference carries the probes; then every node that
+  requires two dims to be equal (broadcasting elementwise ops, Expand itself, Concat's other
+  axes, MatMul's and Gemm's contraction and batch axes) unifies them: a probe meeting the batch
+  symbol is the batch, one meeting a number is that number. Probes meeting each other share
+  their fate. A probe that meets neither cannot be decided, and the load stops with
+  StaticBatchError naming its node. Batch probes then read ``Shape(input)[batch axis]``, number
+  probes become their constant again (folding restores the original node).
+- Reshape targets are matched against their input's symbolic shape by row-major blocks (the
+  runs of dims whose products agree): the one target element in the block that holds the batch
+  becomes -1 (0 where it copies the same axis), the others their numbers; a block where two
+  elements could hold it stops the load, naming the node.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from odt_ops.domain import is_default
+from odt_ops.errors import StaticBatchError
+from odt_ops.ir import symbolic
+from odt_ops.ir.model import Model
+from odt_ops.ir.passes import replace_nodes
+
+PROBE = "odt_batch_probe_"
+_SHAPE_INPUT = {"Expand": 1, "Tile": 1, "ConstantOfShape": 0}  # op -> its shape-valued input
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "Greater", "LessOrEqual",
+                           "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Sum", "Mean", "PRelu"})
+_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+
+Infer = Callable[[Model], None]
+
+
+def export_batch(model: Model) -> int | None:
+    """The static batch every data input (rank >= 2) was exported with, when they agree and it is
+    above 1 (at 1, a baked batch cannot be told from a broadcast dim); None otherwise."""
+    dims = []
+    for value in model.graph.input:
+        tt = value.type.tensor_type
+        if not tt.HasField("shape") or len(tt.shape.dim) < 2:
+            continue
+        dim = tt.shape.dim[model.batch_axes.get(value.name, 0)]
+        if not dim.HasField("dim_value"):
+            return None
+        dims.append(dim.dim_value)
+    return dims[0] if dims and len(set(dims)) == 1 and dims[0] > 1 else None
+
+
+def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch") -> bool:
+    """Rewrite the constants that hold the export's ``batch`` so that the model runs at any batch
+    (``name`` is the inputs' symbolic batch dim, already set). ``infer`` re-infers shapes in place."""
+    source = _batch_source(model)
+    if source is None:
+        return False
+    probes = _place_probes(model, batch)
+    changed = bool(probes)
+    while probes:  # each round's decisions give the next round's inference the batch where a probe was
+        infer(model)
+        decided = _decide(model, probes, batch, name)
+        if not decided:
+            probe = probes[0]
+            raise StaticBatchError(
+                f"node {probe.node!r} holds {batch}, the batch this model was exported with, in a constant shape, and "
+                "nothing downstream tells whether it is the batch or a model size that equals it; export the model with "
+                "a dynamic batch axis (torch.onnx.export(..., dynamic_axes={input: {0: 'batch'}}))")
+        _settle(model, [p for p in probes if p.dim in decided], decided, source, batch)
+        probes = [p for p in probes if p.dim not in decided]
+    return _fix_reshapes(model, batch, infer, name) or changed
+
+
+# ---------------------------------------------------------------------------- probes
+
+
+class _Probe:
+    """One constant element (or constant axis) that equals the export batch."""
+
+    __slots__ = ("node", "dim", "value", "data", "position", "length")
+
+    def __init__(self, node: str, dim: str, value: str, data: str | None, position: int, length: int):
+        self.node, self.dim, self.value = node, dim, value  # value: the probe's 1-element int64 tensor
+        # Expand's data input, and the probe's index in a target of ``length`` dims: the Expand's
+        # own broadcast of its data decides too
+        self.data, self.position, self.length = data, position, length
+
+
+def _batch_source(model: Model) -> tuple[str, int] | None:
+    for value in model.graph.input:
+        tt = value.type.tensor_type
+        if tt.HasField("shape") and len(tt.shape.dim) >= 2:
+            return value.name, model.batch_axes.get(value.name, 0)
+    return None
+
+
+def _place_probes(model: Model, batch: int) -> list[_Probe]:
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | {o for n in graph.node for o in n.output}
+    probes: list[_Probe] = []
+    added_nodes: list[tuple[int, onnx.NodeProto]] = []  # (insert before this node index, node)
+
+    def fresh(hint: str) -> str:
+        name, k = hint, 0
+        while name in taken:
+            k += 1
+            name = f"{hint}_{k}"
+        taken.add(name)
+        return name
+
+    def probe_dim(where: str, at: int, data: str | None, position: int, length: int) -> str:
+        """A 1-element int64 value holding a fresh probe symbol: Shape of a new graph input."""
+        k = len(probes)
+        graph.input.append(onnx.helper.make_tensor_value_info(f"{PROBE}{k}", onnx.TensorProto.FLOAT, [f"{PROBE}{k}"]))
+        out = fresh(f"{where}/batch_dim_{k}")
+        node = onnx.helper.make_node("Shape", [f"{PROBE}{k}"], [out], name=fresh(f"{where}/BatchShape_{k}"))
+        added_nodes.append((at, node))
+        probes.append(_Probe(where, f"{PROBE}{k}", out, data, position, length))
+        return out
+
+    def concat_of(values: np.ndarray, picks: list[int], where: str, at: int, data: str | None) -> str:
+        """Concat of ``values`` with a probe at each index in ``picks``."""
+        parts, run = [], []
+        for i, v in enumerate(values.tolist()):
+            if i in picks:
+                if run:
+                    parts.append(_const(graph, fresh(f"{where}/dims"), run))
+                    run = []
+                parts.append(probe_dim(where, at, data, i, len(values)))
+            else:
+                run.append(int(v))
+        if run:
+            parts.append(_const(graph, fresh(f"{where}/dims"), run))
+        out = fresh(f"{where}/shape_with_batch")
+        added_nodes.append((at, onnx.helper.make_node("Concat", parts, [out], name=fresh(f"{where}/ConcatBatch"), axis=0)))
+        return out
+
+    for index, node in enumerate(graph.node):
+        slot = _SHAPE_INPUT.get(node.op_type)
+        if slot is None or not is_default(node.domain) or len(node.input) <= slot or node.input[slot] not in initializers:
+            continue
+        values = numpy_helper.to_array(initializers[node.input[slot]])
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            continue
+        picks = [i for i, v in enumerate(values.tolist()) if v == batch]
+        if picks:
+            data = node.input[0] if node.op_type == "Expand" else None
+            node.input[slot] = concat_of(values, picks, node.name, index, data)
+
+    used = {n for node in graph.node for n in node.input}
+    folded = [t for t in graph.initializer if t.name in model.derived and t.data_type in _FLOATS and batch in t.dims
+              and t.name in used and t.data_location != onnx.TensorProto.EXTERNAL]
+    for tensor in folded:  # torch.zeros(B, ...), folded by our load: Expand of one slice
+        array = numpy_helper.to_array(tensor)
+        axes = [a for a, d in enumerate(array.shape) if d == batch and _uniform_along(array, a)]
+        if not axes:
+            continue
+        one = array[tuple(slice(0, 1) if a in axes else slice(None) for a in range(array.ndim))]
+        where = tensor.name
+        slice_name = fresh(f"{where}/one_per_batch")
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(one), slice_name))
+        model.derived.add(slice_name)
+        shape = concat_of(np.array(array.shape, dtype=np.int64), axes, where, 0, None)
+        added_nodes.append((0, onnx.helper.make_node("Expand", [slice_name, shape], [tensor.name], name=fresh(f"{where}/ExpandBatch"))))
+        graph.initializer.remove(tensor)
+    if not probes:
+        return probes
+    replace_nodes(model, _stable_insert(list(graph.node), added_nodes))
+    del model.graph.value_info[:]
+    return probes
+
+
+def _stable_insert(nodes: list[onnx.NodeProto], added: list[tuple[int, onnx.NodeProto]]) -> list[onnx.NodeProto]:
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for at, node in added:
+        before.setdefault(at, []).append(node)
+    out: list[onnx.NodeProto] = []
+    for i, node in enumerate(nodes):
+        out.extend(before.pop(i, []))
+        out.append(node)
+    for rest in before.values():
+        out.extend(rest)
+    return out
+
+
+def _const(graph: onnx.GraphProto, name: str, values: list[int]) -> str:
+    graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), name))
+    return name
+
+
+def _uniform_along(array: np.ndarray, axis: int) -> bool:
+    return bool(np.all(array == np.take(array, [0], axis=axis)))
+
+
+# ---------------------------------------------------------------------------- deciding
+
+
+class _Roles:
+    """Union-find over probes; a root's role: True the batch, False a number."""
+
+    def __init__(self, probes: list[_Probe]):
+        self.parent = {p.dim: p.dim for p in probes}
+        self.role: dict[str, bool] = {}
+        self.origin = {p.dim: p.node for p in probes}
+
+    def root(self, dim: str) -> str:
+        while self.parent[dim] != dim:
+            self.parent[dim] = self.parent[self.parent[dim]]
+            dim = self.parent[dim]
+        return dim
+
+    def set(self, dim: str, role: bool, node: onnx.NodeProto) -> None:
+        r = self.root(dim)
+        if self.role.get(r, role) != role:
+            raise StaticBatchError(
+                f"node {self.origin[dim]!r} holds the export's batch in a constant that node {node.name!r} uses both as the "
+                "batch and as a model size; export the model with a dynamic batch axis (dynamic_axes={input: {0: 'batch'}})")
+        self.role[r] = role
+
+    def join(self, a: str, b: str, node: onnx.NodeProto) -> None:
+        ra, rb = self.root(a), self.root(b)
+        if ra == rb:
+            return
+        self.parent[rb] = ra
+        if rb in self.role:
+            self.set(ra, self.role.pop(rb), node)
+
+
+def _decide(model: Model, probes: list[_Probe], batch: int, name: str) -> dict[str, bool]:
+    graph = model.graph
+    shapes = {v.name: _dims(v.type) for v in (*graph.input, *graph.value_info, *graph.output)}
+    shapes.update({t.name: list(t.dims) for t in graph.initializer})
+    roles = _Roles(probes)
+
+    def unify(a, b, node: onnx.NodeProto) -> None:
+        for x, y in ((a, b), (b, a)):
+            if isinstance(x, str) and x in roles.parent:
+                if isinstance(y, str) and y in roles.parent:
+                    roles.join(x, y, node)
+                elif y == name:
+                    roles.set(x, True, node)
+                elif isinstance(y, int) and y != 1:
+                    roles.set(x, False, node)
+                return
+
+    for probe in probes:  # Expand(data, shape): a probe facing a data dim other than 1 is that dim
+        data = shapes.get(probe.data) if probe.data else None
+        if data is not None:
+            at = probe.position + len(data) - probe.length  # right-aligned, as broadcasting aligns
+            if 0 <= at < len(data) and data[at] != 1:
+                unify(probe.dim, data[at], _node_making(graph, probe.value))
+    for node in graph.node:
+        if not is_default(node.domain):
+            continue
+        ins = [shapes.get(n) if n else None for n in node.input]
+        op = node.op_type
+        if op in _BROADCASTING:
+            known = [s for s in ins if s is not None]
+            for other in known[1:]:
+                _broadcast_pairs(known[0], other, lambda x, y, at=node: unify(x, y, at))
+        elif op == "Concat" and all(s is not None for s in ins) and ins:
+            rank = len(ins[0])
+            axis = _attr(node, "axis", 0) % max(rank, 1)
+            for other in ins[1:]:
+                if len(other) == rank:
+                    for i in range(rank):
+                        if i != axis:
+                            unify(ins[0][i], other[i], node)
+        elif op == "MatMul" and len(ins) == 2 and ins[0] is not None and ins[1] is not None and len(ins[0]) >= 2 and len(ins[1]) >= 2:
+            a, b = ins
+            unify(a[-1], b[-2], node)
+            _broadcast_pairs(a[:-2], b[:-2], lambda x, y, at=node: unify(x, y, at))
+        elif op == "Gemm" and ins[0] is not None and ins[1] is not None and len(ins[0]) == 2 and len(ins[1]) == 2:
+            a = ins[0][0] if _attr(node, "transA", 0) else ins[0][1]
+            b = ins[1][1] if _attr(node, "transB", 0) else ins[1][0]
+            unify(a, b, node)
+    roles_of = {p.dim: roles.role.get(roles.root(p.dim)) for p in probes}
+    return {dim: role for dim, role in roles_of.items() if role is not None}
+
+
+def _node_making(graph: onnx.GraphProto, value: str) -> onnx.NodeProto:
+    return next(n for n in graph.node if value in n.output)
+
+
+def _broadcast_pairs(a: list, b: list, pair: Callable) -> None:
+    for x, y in zip(reversed(a), reversed(b)):
+        if x != 1 and y != 1:
+            pair(x, y)
+
+
+def _dims(tp: onnx.TypeProto) -> list | None:
+    if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tp.tensor_type.shape.dim]
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _settle(model: Model, probes: list[_Probe], decided: dict[str, bool], source: tuple[str, int], batch: int) -> None:
+    """Batch probes read the input's batch; the others become their number again."""
+    graph = model.graph
+    data, axis = source
+    batch_value = f"{data}/odt_batch_dim"
+    needed = False
+    constants = {p.value for p in probes if not decided[p.dim]}
+    for probe in probes:
+        if decided[probe.dim]:
+            node = _node_making(graph, probe.value)
+            node.op_type = "Identity"
+            node.input[:] = [batch_value]
+            needed = True
+    nodes = [n for n in graph.node if n.output[0] not in constants]
+    if needed and not any(batch_value in n.output for n in nodes):
+        shape, index = f"{data}/shape", f"{data}/batch_axis"
+        graph.initializer.append(numpy_helper.from_array(np.array([axis], dtype=np.int64), index))
+        nodes[:0] = [onnx.helper.make_node("Shape", [data], [shape], name=f"{data}/Shape_for_batch"),
+                     onnx.helper.make_node("Gather", [shape, index], [batch_value], name=f"{data}/Gather_batch", axis=0)]
+    for name in constants:
+        graph.initializer.append(numpy_helper.from_array(np.array([batch], dtype=np.int64), name))
+    replace_nodes(model, nodes)
+    graph = model.graph
+    settled = {p.dim for p in probes}
+    inputs = [v for v in graph.input if v.name not in settled]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    del graph.value_info[:]
+    model.forget_arrays()
+
+
+# ---------------------------------------------------------------------------- Reshape targets
+
+
+def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
+    """Reshape targets that hold the batch, made to follow it; one round per chain of Reshapes
+    (each round's inference gives the next Reshape its input's symbolic shape)."""
+    done: set[str] = set()
+    changed = False
+    for _ in range(sum(n.op_type == "Reshape" for n in model.graph.node) + 1):
+        infer(model)
+        graph = model.graph
+        shapes = {v.name: _dims(v.type) for v in (*graph.input, *graph.value_info, *graph.output)}
+        initializers = {t.name: t for t in graph.initializer}
+        progress = False
+        for node in graph.node:
+            if node.op_type != "Reshape" or node.name in done or node.input[1] not in initializers:
+                continue
+            dims = shapes.get(node.input[0])
+            if dims is None or not any(_holds_batch(d, name) for d in dims):
+                continue
+            done.add(node.name)
+            target = numpy_helper.to_array(initializers[node.input[1]]).astype(np.int64)
+            fixed = _reshape_target(node, dims, target.tolist(), batch, name, allowzero=bool(_attr(node, "allowzero", 0)))
+            if fixed is None or fixed == target.tolist():
+                continue
+            new = f"{node.input[1]}/{node.name}/follows_batch"
+            graph.initializer.append(numpy_helper.from_array(np.array(fixed, dtype=np.int64), new))
+            node.input[1] = new
+            progress = changed = True
+        if not progress:
+            break
+        del graph.value_info[:]
+        model.forget_arrays()
+    return changed
+
+
+def _holds_batch(dim, name: str) -> bool:
+    m = symbolic.parse_dim(dim)
+    return m is not None and name in m[1]
+
+
+def _reshape_target(node: onnx.NodeProto, dims: list, target: list[int], batch: int, name: str, *, allowzero: bool) -> list[int] | None:
+    values, carry = [], None
+    for i, d in enumerate(dims):
+        m = symbolic.parse_dim(d)
+        if m is None:
+            return None  # an unknown dim: nothing to match against
+        coef, syms = m
+        if syms == ():
+            values.append(coef)
+        elif syms == (name,) and carry is None:
+            values.append(coef * batch)
+            carry = i
+        else:
+            return None  # the batch twice, or another symbol: leave it to run time
+    copied = [i for i, v in enumerate(target) if v == 0 and not allowzero]
+    export = [values[i] if i in copied and i < len(values) else v for i, v in enumerate(target)]
+    if -1 in export:
+        k = export.index(-1)
+        rest = math.prod(v for i, v in enumerate(export) if i != k)
+        if not rest:
+            return None
+        export[k] = math.prod(values) // rest
+    if math.prod(export) != math.prod(values) or carry is None:
+        return None
+    before = math.prod(values[:carry])
+    after = before * values[carry]
+    # the batch's block: the common prefix-product boundaries around the batch axis
+    bounds_in = {math.prod(values[:i]) for i in range(len(values) + 1)}
+    bounds_out = [math.prod(export[:j]) for j in range(len(export) + 1)]
+    common = bounds_in & set(bounds_out)
+    low = max(b for b in common if b <= before)
+    high = min(b for b in common if b >= after)
+    block = [j for j in range(len(export)) if low <= bounds_out[j] and bounds_out[j + 1] <= high and export[j] != 1]
+    aligned = [j for j in block if j == carry and bounds_out[j] == before and export[j] == values[carry]]
+    holders = aligned or [j for j in block if export[j] % batch == 0]
+    if len(holders) != 1:
+        raise StaticBatchError(
+            f"Reshape node {node.name!r} reshapes {dims} to the constant {target}, made for the export's batch {batch}: "
+            f"{'several' if holders else 'none'} of its sizes {[export[j] for j in block]} could hold the batch; export the "
+            "model with a dynamic batch axis (dynamic_axes={input: {0: 'batch'}})")
+    j = holders[0]
+    fixed = list(export)
+    fixed[j] = 0 if (aligned and not allowzero) else -1
+    for i in copied:  # the other copies keep copying (their numbers are the same)
+        if i != j and not allowzero:
+            fixed[i] = 0
+    return fixed
+
+
+__all__ = ["PROBE", "export_batch", "free_baked_batch"]
