@@ -67,6 +67,7 @@ def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch"
     source = _batch_source(model)
     if source is None:
         return False
+    declared = [onnx.ValueInfoProto.FromString(o.SerializeToString()) for o in model.graph.output]
     probes = _place_probes(model, batch)
     changed = bool(probes)
     while probes:  # each round's decisions give the next round's inference the batch where a probe was
@@ -80,7 +81,11 @@ def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch"
                 "a dynamic batch axis (torch.onnx.export(..., dynamic_axes={input: {0: 'batch'}}))")
         _settle(model, [p for p in probes if p.dim in decided], decided, source, batch)
         probes = [p for p in probes if p.dim not in decided]
-    return _fix_reshapes(model, batch, infer, name) or changed
+    changed = _fix_reshapes(model, batch, infer, name) or changed
+    del model.graph.value_info[:]  # the load's inference writes the dims in their usual form
+    del model.graph.output[:]  # as symbolic_batch_dim left them: the rounds above inferred some from the old constants
+    model.graph.output.extend(declared)
+    return changed
 
 
 # ---------------------------------------------------------------------------- probes
@@ -350,13 +355,20 @@ def _settle(model: Model, probes: list[_Probe], decided: dict[str, bool], source
 
 def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
     """Reshape targets that hold the batch, made to follow it; one round per chain of Reshapes
-    (each round's inference gives the next Reshape its input's symbolic shape)."""
+    (each round's inference gives the next Reshape its input's symbolic shape). A merged dim's
+    output is written as ``major*batch*minor``, so that a later split of it knows where in the
+    dim the batch lies (a monomial ``k*batch`` does not say)."""
     done: set[str] = set()
+    written: dict[str, tuple[int, list]] = {}  # Reshape output -> (element type, dims)
     changed = False
     for _ in range(sum(n.op_type == "Reshape" for n in model.graph.node) + 1):
+        graph = model.graph
+        for out, (elem, dims) in written.items():
+            graph.value_info.append(onnx.helper.make_tensor_value_info(out, elem, dims))
         infer(model)
         graph = model.graph
-        shapes = {v.name: _dims(v.type) for v in (*graph.input, *graph.value_info, *graph.output)}
+        types = {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
+        shapes = {k: _dims(t) for k, t in types.items()}
         initializers = {t.name: t for t in graph.initializer}
         progress = False
         for node in graph.node:
@@ -368,16 +380,20 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
             done.add(node.name)
             target = numpy_helper.to_array(initializers[node.input[1]]).astype(np.int64)
             fixed = _reshape_target(node, dims, target.tolist(), batch, name, allowzero=bool(_attr(node, "allowzero", 0)))
-            if fixed is None or fixed == target.tolist():
+            if fixed is None:
                 continue
-            new = f"{node.input[1]}/{node.name}/follows_batch"
-            graph.initializer.append(numpy_helper.from_array(np.array(fixed, dtype=np.int64), new))
-            node.input[1] = new
-            progress = changed = True
-        if not progress:
-            break
+            values, out_dims = fixed
+            written[node.output[0]] = (types[node.input[0]].tensor_type.elem_type, out_dims)
+            if values != target.tolist():
+                new = f"{node.input[1]}/{node.name}/follows_batch"
+                graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), new))
+                node.input[1] = new
+                changed = True
+            progress = True
         del graph.value_info[:]
         model.forget_arrays()
+        if not progress:
+            break
     return changed
 
 
@@ -386,20 +402,35 @@ def _holds_batch(dim, name: str) -> bool:
     return m is not None and name in m[1]
 
 
-def _reshape_target(node: onnx.NodeProto, dims: list, target: list[int], batch: int, name: str, *, allowzero: bool) -> list[int] | None:
-    values, carry = [], None
+def _batch_factor(dim, name: str) -> tuple[int, int | None] | None:
+    """(coefficient, major) of a dim that holds the batch once: major is the product of the
+    factors before the batch in it (``3*batch*2``: 3), None when the dim does not say."""
+    if dim == name:
+        return 1, 1
+    if isinstance(dim, str):
+        parts = dim.split("*")
+        if len(parts) == 3 and parts[1] == name and parts[0].isdigit() and parts[2].isdigit():
+            return int(parts[0]) * int(parts[2]), int(parts[0])
+    m = symbolic.parse_dim(dim)
+    return (m[0], None) if m is not None and m[1] == (name,) else None
+
+
+def _reshape_target(node: onnx.NodeProto, dims: list, target: list[int], batch: int, name: str, *,
+                    allowzero: bool) -> tuple[list[int], list] | None:
+    """(the target that follows the batch, the output's dims), or None to leave the node be."""
+    values, carry, major = [], None, None
     for i, d in enumerate(dims):
+        factor = _batch_factor(d, name)
         m = symbolic.parse_dim(d)
-        if m is None:
-            return None  # an unknown dim: nothing to match against
-        coef, syms = m
-        if syms == ():
-            values.append(coef)
-        elif syms == (name,) and carry is None:
-            values.append(coef * batch)
-            carry = i
+        if factor is not None and carry is None:
+            values.append(factor[0] * batch)
+            carry, major = i, factor[1]
+        elif m is not None and m[1] == ():
+            values.append(m[0])
         else:
-            return None  # the batch twice, or another symbol: leave it to run time
+            return None  # unknown, the batch twice, or another symbol: leave it to run time
+    if carry is None:
+        return None
     copied = [i for i, v in enumerate(target) if v == 0 and not allowzero]
     export = [values[i] if i in copied and i < len(values) else v for i, v in enumerate(target)]
     if -1 in export:
@@ -408,31 +439,39 @@ def _reshape_target(node: onnx.NodeProto, dims: list, target: list[int], batch: 
         if not rest:
             return None
         export[k] = math.prod(values) // rest
-    if math.prod(export) != math.prod(values) or carry is None:
+    if math.prod(export) != math.prod(values):
         return None
     before = math.prod(values[:carry])
-    after = before * values[carry]
-    # the batch's block: the common prefix-product boundaries around the batch axis
-    bounds_in = {math.prod(values[:i]) for i in range(len(values) + 1)}
-    bounds_out = [math.prod(export[:j]) for j in range(len(export) + 1)]
-    common = bounds_in & set(bounds_out)
-    low = max(b for b in common if b <= before)
-    high = min(b for b in common if b >= after)
-    block = [j for j in range(len(export)) if low <= bounds_out[j] and bounds_out[j + 1] <= high and export[j] != 1]
-    aligned = [j for j in block if j == carry and bounds_out[j] == before and export[j] == values[carry]]
-    holders = aligned or [j for j in block if export[j] % batch == 0]
+    bounds = [math.prod(export[:j]) for j in range(len(export) + 1)]
+    if major is not None:  # row-major: the batch spans [start, start * batch) of the flat index's strides
+        start = before * major
+        holders = [j for j in range(len(export)) if bounds[j] <= start and bounds[j + 1] >= start * batch
+                   and start % bounds[j] == 0 and bounds[j + 1] % (start * batch) == 0]
+    else:  # where in a k*batch dim the batch lies is unknown: a unique size divisible by it, in its block
+        after = before * values[carry]
+        common = {math.prod(values[:i]) for i in range(len(values) + 1)} & set(bounds)
+        low, high = max(b for b in common if b <= before), min(b for b in common if b >= after)
+        holders = [j for j in range(len(export)) if low <= bounds[j] and bounds[j + 1] <= high and export[j] % batch == 0]
     if len(holders) != 1:
         raise StaticBatchError(
             f"Reshape node {node.name!r} reshapes {dims} to the constant {target}, made for the export's batch {batch}: "
-            f"{'several' if holders else 'none'} of its sizes {[export[j] for j in block]} could hold the batch; export the "
-            "model with a dynamic batch axis (dynamic_axes={input: {0: 'batch'}})")
+            f"{'several' if holders else 'none'} of its sizes could hold the batch; export the model with a dynamic batch "
+            "axis (dynamic_axes={input: {0: 'batch'}})")
     j = holders[0]
     fixed = list(export)
-    fixed[j] = 0 if (aligned and not allowzero) else -1
+    same_axis = j == carry and bounds[j] == before and export[j] == values[carry] and not allowzero
+    fixed[j] = 0 if same_axis else -1
+    out: list = list(export)
+    if same_axis:
+        out[j] = dims[carry]
+    else:
+        outer = (before * major) // bounds[j] if major is not None else None
+        inner = export[j] // (batch * outer) if outer else None
+        out[j] = f"{outer}*{name}*{inner}" if outer else None
     for i in copied:  # the other copies keep copying (their numbers are the same)
         if i != j and not allowzero:
             fixed[i] = 0
-    return fixed
+    return fixed, out
 
 
 __all__ = ["PROBE", "export_batch", "free_baked_batch"]

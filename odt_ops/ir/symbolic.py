@@ -30,7 +30,7 @@ Dim = int | str | None
 Monomial = tuple[int, tuple[str, ...]]
 
 _SHAPE_LIMIT = 64  # int tensors up to this size can be shapes
-_ROUNDS = 4  # each round may resolve shapes that the next round's inference propagates
+_ROUNDS = 16  # each round may resolve shapes that the next round's inference propagates (one per Reshape in a chain)
 
 
 def refine_shapes(proto: onnx.ModelProto, infer: Callable[[onnx.ModelProto], onnx.ModelProto]) -> onnx.ModelProto:
@@ -231,8 +231,24 @@ def _output_dims(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[s
     shape, and an even Split of a symbolic axis (onnx gives its parts fresh dims)."""
     if node.op_type == "Split":
         return _even_split(node, values, shapes)
+    if node.op_type == "Concat":
+        return _concat(node, shapes)
     dims = _shape_taking_output(node, values, shapes)
     return [] if dims is None or not node.output else [(node.output[0], dims)]
+
+
+def _concat(node: onnx.NodeProto, shapes: dict[str, list[Dim] | None]) -> list[tuple[str, list[Dim]]]:
+    """Concat of parts whose axis dims share their symbols (an unrolled recurrence joins T
+    [batch, H] steps into [T*batch, H]; onnx gives the sum a fresh dim)."""
+    parts = [shapes.get(i) for i in node.input]
+    if not parts or any(p is None or len(p) != len(parts[0]) or not p for p in parts):
+        return []
+    axis = _attr(node, "axis", 0) % len(parts[0])
+    terms = [_parse(p[axis]) for p in parts]
+    if any(t is None for t in terms) or len({t[1] for t in terms}) != 1 or not terms[0][1]:
+        return []  # numbers onnx sums itself; mixed symbols have no monomial sum
+    total = (sum(t[0] for t in terms), terms[0][1])
+    return [(node.output[0], [_format(total) if i == axis else d for i, d in enumerate(parts[0])])]
 
 
 def _even_split(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str, list[Dim] | None]) -> list[tuple[str, list[Dim]]]:

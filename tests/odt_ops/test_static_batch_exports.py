@@ -33,15 +33,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class ExpandZeros(nn.Module):
-    """x.expand to the batch, torch.zeros / torch.ones of the batch."""
+    """x.expand to the batch, torch.zeros / torch.ones of the batch; the features are as many as
+    the export batch, so each baked [3, 3] holds the batch once and a model size once."""
 
     def __init__(self):
         super().__init__()
-        self.lin, self.scale = nn.Linear(4, 5), nn.Parameter(torch.randn(1, 5))
+        self.lin, self.scale = nn.Linear(4, EXPORT_BATCH), nn.Parameter(torch.randn(1, EXPORT_BATCH))
 
     def forward(self, x):
         b = x.shape[0]
-        return self.lin(x) * self.scale.expand(b, 5) + torch.zeros(b, 5) + torch.ones(b, 1)
+        return self.lin(x) * self.scale.expand(b, EXPORT_BATCH) + torch.zeros(b, EXPORT_BATCH) + torch.ones(b, 1)
 
 
 class RepeatToken(nn.Module):
@@ -68,13 +69,13 @@ class TimeMajorLSTM(nn.Module):
 
 
 class ClsTokenTransformer(nn.Module):
-    """A ViT-style class token expanded to the batch, then attention with as many heads as
-    the export batch (3): the head count is a constant that equals the batch by coincidence."""
+    """A ViT-style class token expanded to the batch, then multi-head attention (its Reshapes
+    bake batch * heads)."""
 
-    def __init__(self):
+    def __init__(self, heads: int = 2):
         super().__init__()
         self.embed, self.cls = nn.Linear(4, 6), nn.Parameter(torch.randn(1, 1, 6))
-        self.attn = nn.MultiheadAttention(6, EXPORT_BATCH, batch_first=True)
+        self.attn = nn.MultiheadAttention(6, heads, batch_first=True)
         self.head = nn.Linear(6, 2)
 
     def forward(self, x):
@@ -139,3 +140,15 @@ def test_static_batch_export_trains_at_another_batch(case, exporter, tmp_path):
         got, expected = state.parameters[name].grad, np.reshape(forms[key][1](grad), state.parameters[name].grad.shape)
         error, scale = float(np.max(np.abs(got - expected))), float(np.max(np.abs(expected)))
         assert error <= PER_TENSOR * scale + 1e-7, f"gradient of {name}: max error {error:.3g} of scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_batch_the_data_flow_cannot_place_is_refused_naming_the_node(exporter):
+    """As many heads as the export batch: attention's [batch * heads] splits back into a
+    [3, 3] whose two sizes could each be the batch. Refused, naming the Reshape, not guessed."""
+    from odt_ops.errors import StaticBatchError
+
+    torch.manual_seed(0)
+    proto = export(ClsTokenTransformer(heads=EXPORT_BATCH).train(), batch_of((6, 4), EXPORT_BATCH, 0)[0], exporter)
+    with pytest.raises(StaticBatchError, match=r"Reshape node '[^']+'.*dynamic batch axis"):
+        artifacts.generate_artifacts(proto, requires_grad=[], loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=None)
