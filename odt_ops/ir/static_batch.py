@@ -371,12 +371,12 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
         shapes = {k: _dims(t) for k, t in types.items()}
         initializers = {t.name: t for t in graph.initializer}
         progress = False
-        for node in graph.node:
-            if node.op_type != "Reshape" or node.name in done or node.input[1] not in initializers:
-                continue
-            dims = shapes.get(node.input[0])
-            if dims is None or not any(_holds_batch(d, name) for d in dims):
-                continue
+        ready = [n for n in graph.node if n.op_type == "Reshape" and n.name not in done and n.input[1] in initializers
+                 and shapes.get(n.input[0]) is not None and any(_holds_batch(d, name) for d in shapes[n.input[0]])]
+        # a k*batch dim that says nothing of its order may be one a Reshape of this round writes: wait a round
+        known = [n for n in ready if all(f is None or f[1] is not None for f in (_batch_factor(d, name) for d in shapes[n.input[0]]))]
+        for node in known or ready:
+            dims = shapes[node.input[0]]
             done.add(node.name)
             target = numpy_helper.to_array(initializers[node.input[1]]).astype(np.int64)
             fixed = _reshape_target(node, dims, target.tolist(), batch, name, allowzero=bool(_attr(node, "allowzero", 0)))
@@ -467,7 +467,7 @@ def _reshape_target(node: onnx.NodeProto, dims: list, target: list[int], batch: 
     else:
         outer = (before * major) // bounds[j] if major is not None else None
         inner = export[j] // (batch * outer) if outer else None
-        out[j] = f"{outer}*{name}*{inner}" if outer else None
+        out[j] = None if not outer else name if outer == inner == 1 else f"{outer}*{name}*{inner}"
     for i in copied:  # the other copies keep copying (their numbers are the same)
         if i != j and not allowzero:
             fixed[i] = 0
