@@ -361,7 +361,7 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
     done: set[str] = set()
     written: dict[str, tuple[int, list]] = {}  # Reshape output -> (element type, dims)
     changed = False
-    for _ in range(sum(n.op_type == "Reshape" for n in model.graph.node) + 1):
+    for _ in range(sum(n.op_type in ("Reshape", "Concat") for n in model.graph.node) + 1):
         graph = model.graph
         for out, (elem, dims) in written.items():
             graph.value_info.append(onnx.helper.make_tensor_value_info(out, elem, dims))
@@ -371,11 +371,21 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
         shapes = {k: _dims(t) for k, t in types.items()}
         initializers = {t.name: t for t in graph.initializer}
         progress = False
+        for node in graph.node:  # an unrolled recurrence's T steps of [batch, H] joined: T*batch, batch minor
+            parts = [shapes.get(i) for i in node.input]
+            if node.op_type != "Concat" or node.output[0] in written or not parts or any(p is None for p in parts):
+                continue
+            axis = _attr(node, "axis", 0) % max(len(parts[0]), 1)
+            if len(parts) > 1 and all(len(p) == len(parts[0]) and p[axis] == name for p in parts):
+                dims = list(parts[0])
+                dims[axis] = f"{len(parts)}*{name}*1"
+                written[node.output[0]] = (types[node.input[0]].tensor_type.elem_type, dims)
+                progress = True
         ready = [n for n in graph.node if n.op_type == "Reshape" and n.name not in done and n.input[1] in initializers
                  and shapes.get(n.input[0]) is not None and any(_holds_batch(d, name) for d in shapes[n.input[0]])]
         # a k*batch dim that says nothing of its order may be one a Reshape of this round writes: wait a round
         known = [n for n in ready if all(f is None or f[1] is not None for f in (_batch_factor(d, name) for d in shapes[n.input[0]]))]
-        for node in known or ready:
+        for node in known or ([] if progress else ready):
             dims = shapes[node.input[0]]
             done.add(node.name)
             target = numpy_helper.to_array(initializers[node.input[1]]).astype(np.int64)
