@@ -138,7 +138,8 @@ def _place_probes(model: Model, batch: int) -> list[_Probe]:
 
     def concat_of(values: np.ndarray, picks: list[int], where: str, at: int, data: str | None) -> str:
         """Concat of ``values`` with a probe at each index in ``picks``."""
-        parts, run = [], []
+        parts: list[str] = []
+        run: list[int] = []
         for i, v in enumerate(values.tolist()):
             if i in picks:
                 if run:
@@ -276,22 +277,24 @@ def _decide(model: Model, probes: list[_Probe], batch: int, name: str) -> dict[s
             known = [s for s in ins if s is not None]
             for other in known[1:]:
                 _broadcast_pairs(known[0], other, lambda x, y, at=node: unify(x, y, at))
-        elif op == "Concat" and all(s is not None for s in ins) and ins:
-            rank = len(ins[0])
+        elif op == "Concat" and ins and all(s is not None for s in ins):
+            joined = [s for s in ins if s is not None]
+            rank = len(joined[0])
             axis = _attr(node, "axis", 0) % max(rank, 1)
-            for other in ins[1:]:
+            for other in joined[1:]:
                 if len(other) == rank:
                     for i in range(rank):
                         if i != axis:
-                            unify(ins[0][i], other[i], node)
-        elif op == "MatMul" and len(ins) == 2 and ins[0] is not None and ins[1] is not None and len(ins[0]) >= 2 and len(ins[1]) >= 2:
-            a, b = ins
-            unify(a[-1], b[-2], node)
-            _broadcast_pairs(a[:-2], b[:-2], lambda x, y, at=node: unify(x, y, at))
-        elif op == "Gemm" and ins[0] is not None and ins[1] is not None and len(ins[0]) == 2 and len(ins[1]) == 2:
-            a = ins[0][0] if _attr(node, "transA", 0) else ins[0][1]
-            b = ins[1][1] if _attr(node, "transB", 0) else ins[1][0]
-            unify(a, b, node)
+                            unify(joined[0][i], other[i], node)
+        elif op == "MatMul" and len(ins) == 2:
+            left, right = ins
+            if left is not None and right is not None and len(left) >= 2 and len(right) >= 2:
+                unify(left[-1], right[-2], node)
+                _broadcast_pairs(left[:-2], right[:-2], lambda x, y, at=node: unify(x, y, at))
+        elif op == "Gemm":
+            left, right = ins[0], ins[1]
+            if left is not None and right is not None and len(left) == 2 and len(right) == 2:
+                unify(left[0] if _attr(node, "transA", 0) else left[1], right[1] if _attr(node, "transB", 0) else right[0], node)
     roles_of = {p.dim: roles.role.get(roles.root(p.dim)) for p in probes}
     return {dim: role for dim, role in roles_of.items() if role is not None}
 
@@ -368,13 +371,13 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
         infer(model)
         graph = model.graph
         types = {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
-        shapes = {k: _dims(t) for k, t in types.items()}
+        shapes = {k: d for k, t in types.items() if (d := _dims(t)) is not None}
         initializers = {t.name: t for t in graph.initializer}
         progress = False
         for node in graph.node:  # an unrolled recurrence's T steps of [batch, H] joined: T*batch, batch minor
-            parts = [shapes.get(i) for i in node.input]
-            if node.op_type != "Concat" or node.output[0] in written or not parts or any(p is None for p in parts):
+            if node.op_type != "Concat" or node.output[0] in written or not all(i in shapes for i in node.input):
                 continue
+            parts = [shapes[i] for i in node.input]
             axis = _attr(node, "axis", 0) % max(len(parts[0]), 1)
             if len(parts) > 1 and all(len(p) == len(parts[0]) and p[axis] == name for p in parts):
                 dims = list(parts[0])
@@ -382,7 +385,7 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
                 written[node.output[0]] = (types[node.input[0]].tensor_type.elem_type, dims)
                 progress = True
         ready = [n for n in graph.node if n.op_type == "Reshape" and n.name not in done and n.input[1] in initializers
-                 and shapes.get(n.input[0]) is not None and any(_holds_batch(d, name) for d in shapes[n.input[0]])]
+                 and n.input[0] in shapes and any(_holds_batch(d, name) for d in shapes[n.input[0]])]
         # a k*batch dim that says nothing of its order may be one a Reshape of this round writes: wait a round
         known = [n for n in ready if all(f is None or f[1] is not None for f in (_batch_factor(d, name) for d in shapes[n.input[0]]))]
         for node in known or ([] if progress else ready):

@@ -133,12 +133,14 @@ def test_static_batch_export_trains_at_another_batch(case, exporter, tmp_path):
     artifacts.generate_artifacts(proto, requires_grad=sorted(matched), loss=artifacts.LossType.CrossEntropyLoss,
                                  artifact_directory=tmp_path)
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state)
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
     x, labels = batch_of(spec, TRAIN_BATCH, 1)
     loss = float(module(x.numpy(), labels.numpy()))
     want = nn.functional.cross_entropy(reference(x), labels)
     want.backward()
     np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    module.eval()  # the eval model too (no dropout or batch statistics here: the same loss)
+    np.testing.assert_allclose(float(module(x.numpy(), labels.numpy())), want.item(), rtol=1e-5)
     for name, key in matched.items():
         got, expected = state.parameters[name].grad, np.reshape(forms[key][1](grad), state.parameters[name].grad.shape)
         error, scale = float(np.max(np.abs(got - expected))), float(np.max(np.abs(expected)))
