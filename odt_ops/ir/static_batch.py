@@ -70,9 +70,16 @@ def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch"
     declared = [onnx.ValueInfoProto.FromString(o.SerializeToString()) for o in model.graph.output]
     probes = _place_probes(model, batch)
     changed = bool(probes)
+    done: set[str] = set()  # Reshapes re-targeted (or found right) already
     while probes:  # each round's decisions give the next round's inference the batch where a probe was
         infer(model)
-        decided = _decide(model, probes, batch, name)
+        decided = _decide(model, probes, name, weak=False)
+        if not decided and _fix_reshapes(model, batch, infer, name, done):
+            changed = True
+            continue  # the re-targeted Reshapes may carry the batch to more probes
+        if not decided:
+            infer(model)  # _fix_reshapes leaves no inferred shapes behind
+            decided = _decide(model, probes, name, weak=True)
         if not decided:
             probe = probes[0]
             raise StaticBatchError(
@@ -81,7 +88,7 @@ def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch"
                 "a dynamic batch axis (torch.onnx.export(..., dynamic_axes={input: {0: 'batch'}}))")
         _settle(model, [p for p in probes if p.dim in decided], decided, source, batch)
         probes = [p for p in probes if p.dim not in decided]
-    changed = _fix_reshapes(model, batch, infer, name) or changed
+    changed = _fix_reshapes(model, batch, infer, name, done) or changed
     del model.graph.value_info[:]  # the load's inference writes the dims in their usual form
     del model.graph.output[:]  # as symbolic_batch_dim left them: the rounds above inferred some from the old constants
     model.graph.output.extend(declared)
@@ -215,12 +222,13 @@ def _uniform_along(array: np.ndarray, axis: int) -> bool:
 
 
 class _Roles:
-    """Union-find over probes; a root's role: True the batch, False a number."""
+    """Union-find over probes, with what each class of probes met: the batch symbol (strong: an
+    op that needs two dims equal at every batch), or a number (weak: it may come from a Reshape
+    target not yet re-targeted, which still holds the export batch)."""
 
     def __init__(self, probes: list[_Probe]):
         self.parent = {p.dim: p.dim for p in probes}
-        self.role: dict[str, bool] = {}
-        self.origin = {p.dim: p.node for p in probes}
+        self.met: dict[str, set[bool]] = {p.dim: set() for p in probes}  # True: the batch, False: a number
 
     def root(self, dim: str) -> str:
         while self.parent[dim] != dim:
@@ -228,38 +236,42 @@ class _Roles:
             dim = self.parent[dim]
         return dim
 
-    def set(self, dim: str, role: bool, node: onnx.NodeProto) -> None:
-        r = self.root(dim)
-        if self.role.get(r, role) != role:
-            raise StaticBatchError(
-                f"node {self.origin[dim]!r} holds the export's batch in a constant that node {node.name!r} uses both as the "
-                "batch and as a model size; export the model with a dynamic batch axis (dynamic_axes={input: {0: 'batch'}})")
-        self.role[r] = role
+    def set(self, dim: str, role: bool) -> None:
+        self.met[self.root(dim)].add(role)
 
-    def join(self, a: str, b: str, node: onnx.NodeProto) -> None:
+    def join(self, a: str, b: str) -> None:
         ra, rb = self.root(a), self.root(b)
-        if ra == rb:
-            return
-        self.parent[rb] = ra
-        if rb in self.role:
-            self.set(ra, self.role.pop(rb), node)
+        if ra != rb:
+            self.parent[rb] = ra
+            self.met[ra] |= self.met.pop(rb)
+
+    def role(self, dim: str, *, weak: bool) -> bool | None:
+        met = self.met[self.root(dim)]
+        if True in met:
+            return True
+        return False if weak and False in met else None
 
 
-def _decide(model: Model, probes: list[_Probe], batch: int, name: str) -> dict[str, bool]:
+def _decide(model: Model, probes: list[_Probe], name: str, *, weak: bool) -> dict[str, bool]:
+    """Probe -> is it the batch, for the probes the data flow decides (numbers only when ``weak``)."""
     graph = model.graph
     shapes = {v.name: _dims(v.type) for v in (*graph.input, *graph.value_info, *graph.output)}
     shapes.update({t.name: list(t.dims) for t in graph.initializer})
     roles = _Roles(probes)
 
     def unify(a, b, node: onnx.NodeProto) -> None:
-        for x, y in ((a, b), (b, a)):
-            if isinstance(x, str) and x in roles.parent:
-                if isinstance(y, str) and y in roles.parent:
-                    roles.join(x, y, node)
-                elif y == name:
-                    roles.set(x, True, node)
-                elif isinstance(y, int) and y != 1:
-                    roles.set(x, False, node)
+        """Two dims an op needs equal; either may be k*probe (a Reshape followed the probe)."""
+        ma, mb = symbolic.parse_dim(a), symbolic.parse_dim(b)
+        if ma is None or mb is None:
+            return
+        for (cx, sx), (cy, sy) in ((ma, mb), (mb, ma)):
+            if len(sx) == 1 and sx[0] in roles.parent:
+                if len(sy) == 1 and sy[0] in roles.parent and cx == cy:
+                    roles.join(sx[0], sy[0])
+                elif sy == (name,) and cx == cy:
+                    roles.set(sx[0], True)
+                elif not sy and cy != 1:
+                    roles.set(sx[0], False)
                 return
 
     for probe in probes:  # Expand(data, shape): a probe facing a data dim other than 1 is that dim
@@ -291,11 +303,23 @@ def _decide(model: Model, probes: list[_Probe], batch: int, name: str) -> dict[s
             if left is not None and right is not None and len(left) >= 2 and len(right) >= 2:
                 unify(left[-1], right[-2], node)
                 _broadcast_pairs(left[:-2], right[:-2], lambda x, y, at=node: unify(x, y, at))
+        elif op in ("InstanceNormalization", "BatchNormalization") and ins and ins[0] is not None and len(ins[0]) >= 2:
+            for stat in ins[1:]:  # scale, bias (, mean, var): one per channel
+                if stat is not None and len(stat) == 1:
+                    unify(stat[0], ins[0][1], node)
+        elif op == "LayerNormalization" and ins and ins[0] is not None:
+            for stat in ins[1:]:
+                if stat is not None:
+                    _broadcast_pairs(ins[0], stat, lambda x, y, at=node: unify(x, y, at))
+        elif op == "Reshape" and ins and ins[0] is not None and name in ins[0]:
+            for d in ins[0]:  # its input holds the batch already: a probe beside it is a size (weak)
+                if isinstance(d, str) and d in roles.parent:
+                    roles.set(d, False)
         elif op == "Gemm":
             left, right = ins[0], ins[1]
             if left is not None and right is not None and len(left) == 2 and len(right) == 2:
                 unify(left[0] if _attr(node, "transA", 0) else left[1], right[1] if _attr(node, "transB", 0) else right[0], node)
-    roles_of = {p.dim: roles.role.get(roles.root(p.dim)) for p in probes}
+    roles_of = {p.dim: roles.role(p.dim, weak=weak) for p in probes}
     return {dim: role for dim, role in roles_of.items() if role is not None}
 
 
@@ -356,12 +380,11 @@ def _settle(model: Model, probes: list[_Probe], decided: dict[str, bool], source
 # ---------------------------------------------------------------------------- Reshape targets
 
 
-def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
+def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str, done: set[str]) -> bool:
     """Reshape targets that hold the batch, made to follow it; one round per chain of Reshapes
     (each round's inference gives the next Reshape its input's symbolic shape). A merged dim's
     output is written as ``major*batch*minor``, so that a later split of it knows where in the
     dim the batch lies (a monomial ``k*batch`` does not say)."""
-    done: set[str] = set()
     written: dict[str, tuple[int, list]] = {}  # Reshape output -> (element type, dims)
     changed = False
     for _ in range(sum(n.op_type in ("Reshape", "Concat") for n in model.graph.node) + 1):
@@ -384,17 +407,20 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
                 dims[axis] = f"{len(parts)}*{name}*1"
                 written[node.output[0]] = (types[node.input[0]].tensor_type.elem_type, dims)
                 progress = True
-        ready = [n for n in graph.node if n.op_type == "Reshape" and n.name not in done and n.input[1] in initializers
-                 and n.input[0] in shapes and any(_holds_batch(d, name) for d in shapes[n.input[0]])]
+        follow = {n.name: sym for n in graph.node if n.op_type == "Reshape" and n.name not in done and n.input[1] in initializers
+                  and n.input[0] in shapes and (sym := _followed(shapes[n.input[0]], name)) is not None}
+        ready = [n for n in graph.node if n.name in follow]
         # a k*batch dim that says nothing of its order may be one a Reshape of this round writes: wait a round
-        known = [n for n in ready if all(f is None or f[1] is not None for f in (_batch_factor(d, name) for d in shapes[n.input[0]]))]
+        known = [n for n in ready
+                 if all(f is None or f[1] is not None for f in (_batch_factor(d, follow[n.name]) for d in shapes[n.input[0]]))]
         for node in known or ([] if progress else ready):
             dims = shapes[node.input[0]]
-            done.add(node.name)
             target = numpy_helper.to_array(initializers[node.input[1]]).astype(np.int64)
-            fixed = _reshape_target(node, dims, target.tolist(), batch, name, allowzero=bool(_attr(node, "allowzero", 0)))
+            fixed = _reshape_target(node, dims, target.tolist(), batch, follow[node.name],
+                                    allowzero=bool(_attr(node, "allowzero", 0)))
             if fixed is None:
                 continue
+            done.add(node.name)
             values, out_dims = fixed
             written[node.output[0]] = (types[node.input[0]].tensor_type.elem_type, out_dims)
             if values != target.tolist():
@@ -410,9 +436,14 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str) -> bool:
     return changed
 
 
-def _holds_batch(dim, name: str) -> bool:
-    m = symbolic.parse_dim(dim)
-    return m is not None and name in m[1]
+def _followed(dims: list, name: str) -> str | None:
+    """The symbol a Reshape of ``dims`` re-targets for: the batch, else a probe (undecided yet:
+    a -1 in its place is right whether it turns out the batch or the number), else None."""
+    symbols = {s for d in dims if (m := symbolic.parse_dim(d)) is not None for s in m[1]}
+    if name in symbols:
+        return name
+    probes = [s for s in symbols if s.startswith(PROBE)]
+    return probes[0] if len(probes) == 1 else None
 
 
 def _batch_factor(dim, name: str) -> tuple[int, int | None] | None:
