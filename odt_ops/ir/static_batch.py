@@ -79,7 +79,10 @@ def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch"
             continue  # the re-targeted Reshapes may carry the batch to more probes
         if not decided:
             infer(model)  # _fix_reshapes leaves no inferred shapes behind
-            decided = _decide(model, probes, name, weak=True)
+            weakly = _decide(model, probes, name, weak=True)
+            # one at a time, the first in the graph: its number may have come from a later constant
+            # not yet re-targeted, and deciding the first may give the rest strong evidence
+            decided = dict(list(weakly.items())[:1])
         if not decided:
             probe = probes[0]
             raise StaticBatchError(

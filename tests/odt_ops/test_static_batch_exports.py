@@ -169,3 +169,33 @@ def test_a_batch_the_data_flow_cannot_place_is_refused_naming_the_node(exporter,
     with pytest.raises(StaticBatchError, match=r"node '[^']+' holds 3, the batch this model was exported with.*dynamic batch axis"):
         artifacts.generate_artifacts(proto, requires_grad=["lin.weight"], loss=artifacts.LossType.CrossEntropyLoss,
                                      artifact_directory=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["vit", "bert", "unet", "lstm_bidirectional"])
+def test_the_architecture_suites_static_exports_train_at_another_batch(name, tmp_path):
+    """tests/odt_ops/architectures.py's models, exported with no dynamic axis (as that suite
+    exports them, which trains them at the export batch only), trained at one more row: ViT's
+    class token, BERT's padding mask expanded over 4 heads at a batch of 4, UNet's GroupNorm of 2
+    groups at a batch of 2, a bidirectional LSTM. Oracle: torch autograd at that batch."""
+    from tests.odt_ops.architectures import ARCHITECTURES
+    from tests.odt_ops.test_architectures import export as export_architecture
+
+    arch = ARCHITECTURES[name]
+    proto = export_architecture(arch, "17")
+    reference = arch.build()
+    matched, forms = matched_parameters(proto, reference)
+    artifacts.generate_artifacts(proto, requires_grad=sorted(matched), loss=artifacts.LossType.CrossEntropyLoss,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    inputs, labels = arch.data()
+    rows = [i % len(labels) for i in range(len(labels) + 1)]  # another batch than the export's
+    inputs, labels = [x[rows] for x in inputs], labels[rows]
+    loss = float(Module(tmp_path / "training_model.onnx", state)(*inputs, labels))
+    want = arch.torch_loss(reference(*[torch.from_numpy(x) for x in inputs]), torch.from_numpy(labels))
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    for param, key in matched.items():
+        got = state.parameters[param].grad
+        expected = np.reshape(forms[key][1](grad), got.shape)
+        error, scale = float(np.max(np.abs(got - expected))), float(np.max(np.abs(expected)))
+        assert error <= PER_TENSOR * scale + 1e-7, f"gradient of {param}: max error {error:.3g} of scale {scale:.3g}"
