@@ -125,6 +125,7 @@ def _place_probes(model: Model, batch: int) -> list[_Probe]:
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | {o for n in graph.node for o in n.output}
+    taken |= {n.name for n in graph.node}
     probes: list[_Probe] = []
     added_nodes: list[tuple[int, onnx.NodeProto]] = []  # (insert before this node index, node)
 
