@@ -68,7 +68,7 @@ def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch"
     if source is None:
         return False
     declared = [onnx.ValueInfoProto.FromString(o.SerializeToString()) for o in model.graph.output]
-    probes = _place_probes(model, batch)
+    probes = _probe_row_inputs(model, batch) + _place_probes(model, batch)
     changed = bool(probes)
     done: set[str] = set()  # Reshapes re-targeted (or found right) already
     while probes:  # each round's decisions give the next round's inference the batch where a probe was
@@ -83,13 +83,15 @@ def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch"
             # one at a time, the first in the graph: its number may have come from a later constant
             # not yet re-targeted, and deciding the first may give the rest strong evidence
             decided = dict(list(weakly.items())[:1])
+        if not decided and any(p.is_input for p in probes):
+            decided = {p.dim: False for p in probes if p.is_input}  # a rank-1 input nothing ties to the batch: as exported
         if not decided:
             probe = probes[0]
             raise StaticBatchError(
                 f"node {probe.node!r} holds {batch}, the batch this model was exported with, in a constant shape, and "
                 "nothing downstream tells whether it is the batch or a model size that equals it; export the model with "
                 "a dynamic batch axis (torch.onnx.export(..., dynamic_axes={input: {0: 'batch'}}))")
-        _settle(model, [p for p in probes if p.dim in decided], decided, source, batch)
+        _settle(model, [p for p in probes if p.dim in decided], decided, source, batch, name)
         probes = [p for p in probes if p.dim not in decided]
     changed = _fix_reshapes(model, batch, infer, name, done) or changed
     del model.graph.value_info[:]  # the load's inference writes the dims in their usual form
@@ -104,13 +106,29 @@ def free_baked_batch(model: Model, batch: int, infer: Infer, name: str = "batch"
 class _Probe:
     """One constant element (or constant axis) that equals the export batch."""
 
-    __slots__ = ("node", "dim", "value", "data", "position", "length")
+    __slots__ = ("node", "dim", "value", "data", "position", "length", "is_input")
 
-    def __init__(self, node: str, dim: str, value: str, data: str | None, position: int, length: int):
-        self.node, self.dim, self.value = node, dim, value  # value: the probe's 1-element int64 tensor
+    def __init__(self, node: str, dim: str, value: str, data: str | None, position: int, length: int, is_input: bool = False):
+        # value: the probe's 1-element int64 tensor; for a rank-1 graph input of the batch's length
+        # (per-row lengths), the input itself, whose dim is the probe
+        self.node, self.dim, self.value, self.is_input = node, dim, value, is_input
         # Expand's data input, and the probe's index in a target of ``length`` dims: the Expand's
         # own broadcast of its data decides too
         self.data, self.position, self.length = data, position, length
+
+
+def _probe_row_inputs(model: Model, batch: int) -> list[_Probe]:
+    """Rank-1 graph inputs as long as the batch (an RNN's per-row lengths) get a probe dim: the
+    load gives a symbolic batch to inputs of rank >= 2 only."""
+    probes: list[_Probe] = []
+    for value in model.graph.input:
+        tt = value.type.tensor_type
+        if tt.HasField("shape") and len(tt.shape.dim) == 1 and tt.shape.dim[0].dim_value == batch:
+            dim = f"{PROBE}input_{len(probes)}"
+            tt.shape.dim[0].Clear()
+            tt.shape.dim[0].dim_param = dim
+            probes.append(_Probe(value.name, dim, value.name, None, 0, 1, is_input=True))
+    return probes
 
 
 def _batch_source(model: Model) -> tuple[str, int] | None:
@@ -350,9 +368,20 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
-def _settle(model: Model, probes: list[_Probe], decided: dict[str, bool], source: tuple[str, int], batch: int) -> None:
+def _settle(model: Model, probes: list[_Probe], decided: dict[str, bool], source: tuple[str, int], batch: int,
+            name: str) -> None:
     """Batch probes read the input's batch; the others become their number again."""
     graph = model.graph
+    for value in graph.input:  # rank-1 inputs: their dim is the batch, or the number it was
+        probe = next((p for p in probes if p.is_input and p.value == value.name), None)
+        if probe is not None:
+            dim = value.type.tensor_type.shape.dim[0]
+            dim.Clear()
+            if decided[probe.dim]:
+                dim.dim_param = name
+            else:
+                dim.dim_value = batch
+    probes = [p for p in probes if not p.is_input]
     data, axis = source
     batch_value = f"{data}/odt_batch_dim"
     needed = False
