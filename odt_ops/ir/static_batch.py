@@ -277,7 +277,7 @@ class _Roles:
 def _decide(model: Model, probes: list[_Probe], name: str, *, weak: bool) -> dict[str, bool]:
     """Probe -> is it the batch, for the probes the data flow decides (numbers only when ``weak``)."""
     graph = model.graph
-    shapes = {v.name: _dims(v.type) for v in (*graph.input, *graph.value_info, *graph.output)}
+    shapes = {v.name: symbolic.type_dims(v.type) for v in (*graph.input, *graph.value_info, *graph.output)}
     shapes.update({t.name: list(t.dims) for t in graph.initializer})
     roles = _Roles(probes)
 
@@ -314,7 +314,7 @@ def _decide(model: Model, probes: list[_Probe], name: str, *, weak: bool) -> dic
         elif op == "Concat" and ins and all(s is not None for s in ins):
             joined = [s for s in ins if s is not None]
             rank = len(joined[0])
-            axis = _attr(node, "axis", 0) % max(rank, 1)
+            axis = symbolic.attribute(node, "axis", 0) % max(rank, 1)
             for other in joined[1:]:
                 if len(other) == rank:
                     for i in range(rank):
@@ -340,7 +340,7 @@ def _decide(model: Model, probes: list[_Probe], name: str, *, weak: bool) -> dic
         elif op == "Gemm":
             left, right = ins[0], ins[1]
             if left is not None and right is not None and len(left) == 2 and len(right) == 2:
-                unify(left[0] if _attr(node, "transA", 0) else left[1], right[1] if _attr(node, "transB", 0) else right[0], node)
+                unify(left[0] if symbolic.attribute(node, "transA", 0) else left[1], right[1] if symbolic.attribute(node, "transB", 0) else right[0], node)
     roles_of = {p.dim: roles.role(p.dim, weak=weak) for p in probes}
     return {dim: role for dim, role in roles_of.items() if role is not None}
 
@@ -353,19 +353,6 @@ def _broadcast_pairs(a: list, b: list, pair: Callable) -> None:
     for x, y in zip(reversed(a), reversed(b)):
         if x != 1 and y != 1:
             pair(x, y)
-
-
-def _dims(tp: onnx.TypeProto) -> list | None:
-    if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
-        return None
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tp.tensor_type.shape.dim]
-
-
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
 
 
 def _settle(model: Model, probes: list[_Probe], decided: dict[str, bool], source: tuple[str, int], batch: int,
@@ -427,14 +414,14 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str, done: set[s
         infer(model)
         graph = model.graph
         types = {v.name: v.type for v in (*graph.input, *graph.value_info, *graph.output)}
-        shapes = {k: d for k, t in types.items() if (d := _dims(t)) is not None}
+        shapes = {k: d for k, t in types.items() if (d := symbolic.type_dims(t)) is not None}
         initializers = {t.name: t for t in graph.initializer}
         progress = False
         for node in graph.node:  # an unrolled recurrence's T steps of [batch, H] joined: T*batch, batch minor
             if node.op_type != "Concat" or node.output[0] in written or not all(i in shapes for i in node.input):
                 continue
             parts = [shapes[i] for i in node.input]
-            axis = _attr(node, "axis", 0) % max(len(parts[0]), 1)
+            axis = symbolic.attribute(node, "axis", 0) % max(len(parts[0]), 1)
             if len(parts) > 1 and all(len(p) == len(parts[0]) and p[axis] == name for p in parts):
                 dims = list(parts[0])
                 dims[axis] = f"{len(parts)}*{name}*1"
@@ -450,7 +437,7 @@ def _fix_reshapes(model: Model, batch: int, infer: Infer, name: str, done: set[s
             dims = shapes[node.input[0]]
             target = numpy_helper.to_array(initializers[node.input[1]]).astype(np.int64)
             fixed = _reshape_target(node, dims, target.tolist(), batch, follow[node.name],
-                                    allowzero=bool(_attr(node, "allowzero", 0)))
+                                    allowzero=bool(symbolic.attribute(node, "allowzero", 0)))
             if fixed is None:
                 continue
             done.add(node.name)

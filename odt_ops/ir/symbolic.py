@@ -346,6 +346,9 @@ def _apply(graph: onnx.GraphProto, learned: dict[str, list[Dim]]) -> None:
                 dim.dim_param = d
 
 
-parse_dim = _parse  # a dim as (coefficient, symbols), for the passes that read symbolic shapes
+# for the passes that read symbolic shapes (odt_ops/ir/static_batch.py)
+parse_dim = _parse  # a dim as (coefficient, symbols)
+type_dims = _dims  # a value's dims: numbers, symbols, None where unknown; None without a shape
+attribute = _attr
 
-__all__ = ["is_unknown", "parse_dim", "refine_shapes"]
+__all__ = ["attribute", "is_unknown", "parse_dim", "refine_shapes", "type_dims"]
