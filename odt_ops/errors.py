@@ -156,3 +156,8 @@ class FederationSettingsError(ArgumentError):
     def __init__(self, problems: list[tuple[str, object, str]]):
         super().__init__("federation settings: " + "; ".join(f"{k}={v!r} (expected {why})" for k, v, why in problems))
         self.problems = problems
+
+
+class StaticBatchError(ModelCheckError):
+    """An export made with a static batch holds a constant equal to that batch whose role the data
+    flow does not decide (the batch, or a model size that happens to equal it); names the node."""

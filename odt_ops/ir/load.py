@@ -16,7 +16,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from odt_ops.errors import ModelCheckError, ModelFileNotFoundError, ModelLoadError, UnsupportedOpError
-from odt_ops.ir import control_flow, external, functions, passes, recurrent
+from odt_ops.ir import control_flow, external, functions, passes, recurrent, static_batch
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model
 from odt_ops.quant.integer_ops import dequantize_integer_ops
 
@@ -100,7 +100,10 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
               recurrent.unroll_recurrent, control_flow.lower_control_flow):
         p(model)
     if batch_dim:
+        baked = static_batch.export_batch(model)  # read before the inputs' batch turns symbolic
         passes.symbolic_batch_dim(model, batch_dim)
+        if baked is not None:
+            static_batch.free_baked_batch(model, baked, _infer_aside, batch_dim)
     with _weights_aside(model):
         try:
             passes.infer_shapes(model)
@@ -114,6 +117,11 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
     passes.require_kernels(model)
     model.normalized = True
     return model
+
+
+def _infer_aside(model: Model) -> None:
+    with _weights_aside(model):
+        passes.infer_shapes(model)
 
 
 HEAVY_BYTES = 1 << 16  # initializers above this stand aside during C++ passes

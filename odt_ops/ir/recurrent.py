@@ -23,6 +23,7 @@ equal to the full length everywhere needs no masks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 import onnx
@@ -204,7 +205,7 @@ class _Unroller:
         self.clip = self.attrs.get("clip")
         self.activations = self.parse_activations()
 
-    def fail(self, what: str) -> None:
+    def fail(self, what: str) -> NoReturn:
         raise ModelCheckError(f"{self.source}: {self.op} node {self.node.name!r} {what}")
 
     # ---- static facts --------------------------------------------------------------
@@ -261,9 +262,11 @@ class _Unroller:
         simple = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu", "softsign": "Softsign", "softplus": "Softplus"}
         if key in simple:
             return lambda x: b.op(simple[key], [x])
+        assert alpha is not None, f"{key} takes alpha (_PARAMS)"
         if key in ("leakyrelu", "thresholdedrelu", "elu"):
             op = {"leakyrelu": "LeakyRelu", "thresholdedrelu": "ThresholdedRelu", "elu": "Elu"}[key]
             return lambda x: b.op(op, [x], alpha=float(alpha))
+        assert beta is not None, f"{key} takes beta (_PARAMS)"
         if key == "hardsigmoid":
             return lambda x: b.HardSigmoid(x, alpha=float(alpha), beta=float(beta))
         if key == "affine":
@@ -377,7 +380,7 @@ class _Unroller:
                 h = y[t] if h is None else self.select(m, h_new, h)
                 if c_new is not None:
                     c = self.select(m, c_new, c if c is not None else zero)
-            ys.append(y)
+            ys.append([_present(v) for v in y])  # every step wrote its output
             hs.append(h)
             cs.append(c)
         Y, Y_h, Y_c = (self.outputs + ["", "", ""])[:3]
@@ -386,7 +389,7 @@ class _Unroller:
             self.produce(per_dir[0] if self.D == 1 else b.Concat(*per_dir, axis=1 if self.layout == 0 else 2), Y)
         for name, states in ((Y_h, hs), (Y_c, cs)):
             if name:
-                parts = [self.unsqueeze(s, [state_axis]) for s in states]
+                parts = [self.unsqueeze(_present(s), [state_axis]) for s in states]
                 self.produce(parts[0] if self.D == 1 else b.Concat(*parts, axis=state_axis), name)
 
     def masks(self) -> list[str] | None:
@@ -492,6 +495,11 @@ class _Unroller:
         b.nodes.append(onnx.helper.make_node("Identity", [value], [name], name=b.fresh("Identity")))
         if value in b.types:
             b.types[name] = b.types[value]
+
+
+def _present(value: str | None) -> str:
+    assert value is not None, "a state or output the unrolled steps left unset"
+    return value
 
 
 __all__ = ["RECURRENT_OPS", "unroll_recurrent"]

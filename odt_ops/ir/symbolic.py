@@ -30,7 +30,7 @@ Dim = int | str | None
 Monomial = tuple[int, tuple[str, ...]]
 
 _SHAPE_LIMIT = 64  # int tensors up to this size can be shapes
-_ROUNDS = 4  # each round may resolve shapes that the next round's inference propagates
+_ROUNDS = 16  # each round may resolve shapes that the next round's inference propagates (one per Reshape in a chain)
 
 
 def refine_shapes(proto: onnx.ModelProto, infer: Callable[[onnx.ModelProto], onnx.ModelProto]) -> onnx.ModelProto:
@@ -54,7 +54,7 @@ def is_unknown(dim: Dim) -> bool:
 def _parse(dim: Dim) -> Monomial | None:
     if isinstance(dim, int):
         return (dim, ())
-    if is_unknown(dim):
+    if dim is None or is_unknown(dim):
         return None
     coef, syms = 1, []
     for factor in dim.split("*"):
@@ -159,9 +159,10 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
 
 def _consts(values: dict[str, _Value], name: str) -> list[int] | None:
     v = values.get(name)
-    if v is None or any(m is None or m[1] for m in v.items):
+    if v is None:
         return None
-    return [m[0] for m in v.items]
+    known = [m for m in v.items if m is not None and not m[1]]
+    return [m[0] for m in known] if len(known) == len(v.items) else None
 
 
 def _propagate(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str, list[Dim] | None]) -> _Value | None:
@@ -198,15 +199,15 @@ def _propagate(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str
     if op == "Squeeze" and len(source.items) == 1:
         return _Value(source.items, scalar=True)
     if op == "Concat":
-        parts = [values.get(i) for i in ins]
-        if any(p is None for p in parts):
+        parts = [values[i] for i in ins if i in values]
+        if len(parts) != len(ins):
             return None
         return _Value([m for p in parts for m in p.items])
     if op == "Slice" and len(ins) >= 3:
         starts, ends = _consts(values, ins[1]), _consts(values, ins[2])
         axes = _consts(values, ins[3]) if len(ins) > 3 and ins[3] else [0]
         steps = _consts(values, ins[4]) if len(ins) > 4 and ins[4] else [1]
-        if None in (starts, ends, axes, steps) or axes != [0] or len(starts) != 1:
+        if starts is None or ends is None or steps is None or axes != [0] or len(starts) != 1:
             return None
         return _Value(source.items[slice(starts[0], ends[0], steps[0])])
     if op in _ARITHMETIC and len(ins) == 2:
@@ -231,8 +232,24 @@ def _output_dims(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[s
     shape, and an even Split of a symbolic axis (onnx gives its parts fresh dims)."""
     if node.op_type == "Split":
         return _even_split(node, values, shapes)
+    if node.op_type == "Concat":
+        return _concat(node, shapes)
     dims = _shape_taking_output(node, values, shapes)
     return [] if dims is None or not node.output else [(node.output[0], dims)]
+
+
+def _concat(node: onnx.NodeProto, shapes: dict[str, list[Dim] | None]) -> list[tuple[str, list[Dim]]]:
+    """Concat of parts whose axis dims share their symbols (an unrolled recurrence joins T
+    [batch, H] steps into [T*batch, H]; onnx gives the sum a fresh dim)."""
+    parts = [p for p in (shapes.get(i) for i in node.input) if p]
+    if not parts or len(parts) != len(node.input) or any(len(p) != len(parts[0]) for p in parts):
+        return []
+    axis = _attr(node, "axis", 0) % len(parts[0])
+    terms = [t for t in (_parse(p[axis]) for p in parts) if t is not None]
+    if len(terms) != len(parts) or len({t[1] for t in terms}) != 1 or not terms[0][1]:
+        return []  # numbers onnx sums itself; mixed symbols have no monomial sum
+    total = (sum(t[0] for t in terms), terms[0][1])
+    return [(node.output[0], [_format(total) if i == axis else d for i, d in enumerate(parts[0])])]
 
 
 def _even_split(node: onnx.NodeProto, values: dict[str, _Value], shapes: dict[str, list[Dim] | None]) -> list[tuple[str, list[Dim]]]:
@@ -254,6 +271,11 @@ def _shape_taking_output(node: onnx.NodeProto, values: dict[str, _Value], shapes
             return None
         data = shapes.get(ins[0])
         return [_format(m) for m in target.items] if data is not None and len(data) == len(target.items) else None
+    if op == "Tile" and len(ins) > 1:  # x.repeat(n, ...): each dim times its repeat count
+        repeats, data = values.get(ins[1]), shapes.get(ins[0])
+        if repeats is None or repeats.scalar or data is None or len(data) != len(repeats.items):
+            return None
+        return [_format(_mul(_parse(d), m)) for d, m in zip(data, repeats.items)]
     if op not in ("ConstantOfShape", "Expand", "Reshape") or len(ins) < 1:
         return None
     target = values.get(ins[0] if op == "ConstantOfShape" else ins[1]) if len(ins) > (op != "ConstantOfShape") else None
@@ -271,7 +293,8 @@ def _shape_taking_output(node: onnx.NodeProto, values: dict[str, _Value], shapes
 
 def _broadcast(a: list[Dim], b: list[Dim]) -> list[Dim]:
     rank = max(len(a), len(b))
-    a, b = [1] * (rank - len(a)) + list(a), [1] * (rank - len(b)) + list(b)
+    ones: list[Dim] = [1] * rank
+    a, b = ones[: rank - len(a)] + list(a), ones[: rank - len(b)] + list(b)
     out: list[Dim] = []
     for x, y in zip(a, b):
         if x == 1:
@@ -295,9 +318,9 @@ def _reshape(data: list[Dim], target: list[Monomial | None], *, allowzero: int) 
         for d in data:
             total = _mul(total, _parse(d))
         known: Monomial | None = (1, ())
-        for i, d in enumerate(dims):
+        for i, m in enumerate(dims):
             if i != k:
-                known = _mul(known, d)
+                known = _mul(known, m)
         dims[k] = _div(total, known)
     return [_format(m) for m in dims]
 
@@ -323,4 +346,9 @@ def _apply(graph: onnx.GraphProto, learned: dict[str, list[Dim]]) -> None:
                 dim.dim_param = d
 
 
-__all__ = ["refine_shapes", "is_unknown"]
+# for the passes that read symbolic shapes (odt_ops/ir/static_batch.py)
+parse_dim = _parse  # a dim as (coefficient, symbols)
+type_dims = _dims  # a value's dims: numbers, symbols, None where unknown; None without a shape
+attribute = _attr
+
+__all__ = ["attribute", "is_unknown", "parse_dim", "refine_shapes", "type_dims"]
