@@ -160,4 +160,10 @@ class FederationSettingsError(ArgumentError):
 
 class StaticBatchError(ModelCheckError):
     """An export made with a static batch holds a constant equal to that batch whose role the data
-    flow does not decide (the batch, or a model size that happens to equal it); names the node."""
+    flow does not decide (the batch, or a model size that happens to equal it); names the node.
+    Loading catches it: such a model keeps its export batch, with a StaticBatchWarning."""
+
+
+class StaticBatchWarning(UserWarning):
+    """A static-batch export runs only at the batch it was exported with: the StaticBatchError's
+    text says which node held the undecided constant and how to export instead."""

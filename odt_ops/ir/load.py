@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
 from google.protobuf.message import DecodeError
 
-from odt_ops.errors import ModelCheckError, ModelFileNotFoundError, ModelLoadError, UnsupportedOpError
+from odt_ops.errors import ModelCheckError, ModelFileNotFoundError, ModelLoadError, StaticBatchError, StaticBatchWarning, UnsupportedOpError
 from odt_ops.ir import control_flow, external, functions, passes, recurrent, static_batch
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model
 from odt_ops.quant.integer_ops import dequantize_integer_ops
@@ -101,9 +102,10 @@ def load_model(source: ModelSource, *, target_opset: int | None = TARGET_OPSET, 
         p(model)
     if batch_dim:
         baked = static_batch.export_batch(model)  # read before the inputs' batch turns symbolic
-        passes.symbolic_batch_dim(model, batch_dim)
-        if baked is not None:
-            static_batch.free_baked_batch(model, baked, _infer_aside, batch_dim)
+        if baked is None:
+            passes.symbolic_batch_dim(model, batch_dim)
+        else:
+            _free_baked_batch_or_keep_it(model, baked, batch_dim)
     with _weights_aside(model):
         try:
             passes.infer_shapes(model)
@@ -125,6 +127,22 @@ def _infer_aside(model: Model) -> None:
 
 
 HEAVY_BYTES = 1 << 16  # initializers above this stand aside during C++ passes
+
+
+def _free_baked_batch_or_keep_it(model: Model, baked: int, batch_dim: str) -> None:
+    """A static-batch export runs at any batch where its data flow says which constants are the
+    batch (ir/static_batch.py). Where it cannot tell, the model keeps the batch it was exported
+    with, as it ran before, and a warning names the node: refusing would stop a model that runs."""
+    kept, derived, axes = onnx.ModelProto(), set(model.derived), dict(model.batch_axes)
+    kept.CopyFrom(model.proto)
+    passes.symbolic_batch_dim(model, batch_dim)
+    try:
+        static_batch.free_baked_batch(model, baked, _infer_aside, batch_dim)
+    except StaticBatchError as exc:
+        model.proto.CopyFrom(kept)
+        model.derived, model.batch_axes = derived, axes
+        model.forget_arrays()
+        warnings.warn(f"{model.source}: runs only at its export batch {baked}: {exc}", StaticBatchWarning, stacklevel=3)
 
 
 @contextlib.contextmanager

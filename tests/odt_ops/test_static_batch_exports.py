@@ -160,14 +160,29 @@ class SummedOverBatch(nn.Module):
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_a_batch_the_data_flow_cannot_place_is_refused_naming_the_node(exporter, tmp_path):
-    from odt_ops.errors import StaticBatchError
+def test_a_batch_the_data_flow_cannot_place_keeps_the_export_batch_with_a_warning_naming_the_node(exporter, tmp_path):
+    """Such a model ran at its export batch before static batches were freed; it still does (torch
+    at that batch is the oracle), and the warning names the node and the export to use instead."""
+    from odt_ops.errors import InputError, StaticBatchWarning
 
     torch.manual_seed(0)
-    proto = export(SummedOverBatch().train(), batch_of((4,), EXPORT_BATCH, 0)[0], exporter)
-    with pytest.raises(StaticBatchError, match=r"node '[^']+' holds 3, the batch this model was exported with.*dynamic batch axis"):
-        artifacts.generate_artifacts(proto, requires_grad=["lin.weight"], loss=artifacts.LossType.CrossEntropyLoss,
+    reference = SummedOverBatch().train()
+    proto = export(reference, batch_of((4,), EXPORT_BATCH, 0)[0], exporter)
+    with pytest.warns(StaticBatchWarning, match=r"runs only at its export batch 3: node '[^']+' holds 3, the batch this "
+                                                r"model was exported with.*dynamic batch axis"):
+        artifacts.generate_artifacts(proto, requires_grad=["lin.weight", "lin.bias"], loss=artifacts.LossType.CrossEntropyLoss,
                                      artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    x, labels = batch_of((4,), EXPORT_BATCH, 1)
+    loss = float(module(x.numpy(), labels.numpy()))
+    want = nn.functional.cross_entropy(reference(x), labels)
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+    np.testing.assert_allclose(state.parameters["lin.weight"].grad, reference.lin.weight.grad.numpy(), rtol=1e-4, atol=1e-7)
+    other, other_labels = batch_of((4,), TRAIN_BATCH, 2)
+    with pytest.raises(InputError):
+        module(other.numpy(), other_labels.numpy())
 
 
 @pytest.mark.parametrize("name", ["vit", "bert", "unet", "lstm_bidirectional", "gru_lengths", "keyword_spotter", "mobilenetv3",
