@@ -105,10 +105,17 @@ def _reducer(op_type: str, opset: int, axes: list[int], keepdims: int) -> Callab
 
 @fused_op("NormalizationTrainingGrad")
 def _normalization_training_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
-    mean, total = _reducer("ReduceMean", opset, attrs["axes"], 1), _reducer("ReduceSum", opset, attrs["axes"], 0)
-    einsum = kernel_of("Einsum", opset, equation=attrs["equation"])
+    return normalization_training_grad(attrs["axes"], attrs["equation"], attrs["spread"], opset)
+
+
+def normalization_training_grad(axes: list[int], equation: str, spread: list[int], opset: int) -> Callable[..., tuple]:
+    """The fused gradient's kernel: statistics over ``axes``, ``equation`` the rule's Einsum, the
+    per-channel values unsqueezed at ``spread``. The channels-last graph (layout.py) runs it on
+    (N*H*W, C) rows: axes [0], spread [0]."""
+    mean, total = _reducer("ReduceMean", opset, axes, 1), _reducer("ReduceSum", opset, axes, 0)
+    einsum = kernel_of("Einsum", opset, equation=equation)
     sqrt, reciprocal = kernel_of("Sqrt", opset), kernel_of("Reciprocal", opset)
-    spread = tuple(attrs["spread"])
+    spread = tuple(spread)
     # BatchNormalization's layout, one value per channel: every axis but 1 (X's rank is len(spread) + 1)
     channel_statistics = spread == (0, *range(2, len(spread) + 1))
 

@@ -1,0 +1,378 @@
+"""The channels-last training graph: around depthwise convolutions, values are kept as
+(N, H, W, C) arrays through the forward and backward graph, with one transpose where a
+consumer needs ONNX's (N, C, H, W) and none in between.
+
+Why: the depthwise kernels run channels last (kernels/conv.py: their taps are then long
+contiguous runs), and BatchNormalization, the activations and their gradients around them
+ran channels first, so every depthwise Conv paid a transpose back (about 1 ns an element),
+and so did its input gradient. Elementwise ops do not care about the layout, and the
+per-channel ones (BatchNormalization and its fused gradient) are faster on (N*H*W, C) rows.
+
+The pass (``channels_last``, last in the fusion order: it sees the fused normalization
+gradients) decides a layout per value: it starts from every depthwise Conv and ConvTranspose
+(the seeds) and grows, through the values they read and write, over every node that has a
+channels-last form (``_rule``); a node it reaches is rewritten into a ``ChannelsLast`` node in
+the engine's domain that runs the op on channels-last arrays. Such a node writes
+``<value>@nhwc``; the value under its own name is then made by a ``ToChannelsFirst`` node only
+if something still reads it that way (a pointwise Conv, a graph output, a check), and a
+channels-last reader of a value made channels first gets a ``ToChannelsLast`` copy. Graph
+inputs, outputs, parameters and checkpoints therefore keep ONNX's layout.
+
+Equal to the graph as written: elementwise ops, the depthwise convolutions and the
+transposes compute the same values from the same operands (bit for bit); the statistics of
+BatchNormalization, its gradient and GlobalAveragePool sum the same numbers in another order
+(rounding only; tests/odt_ops/runtime/test_channels_last.py holds both plans together).
+
+What it needs to know: the rank and some dimensions of the values (onnx's shape inference,
+run only when the graph has a depthwise convolution); a value of unknown rank stays as it is.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from odt_ops.ir.attributes import node_attributes
+from odt_ops.ir.graph import implicit_inputs
+from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_rows
+from odt_ops.kernels.conv import conv_channels_last, conv_transpose_channels_last, is_depthwise_conv
+from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, bind, fused_node, fused_op, fusion, kernel_entry
+from odt_ops.runtime.fusion.normalization import normalization_training_grad
+
+Shape = tuple  # of int (a known dimension) or None
+SUFFIX = "@nhwc"  # a value's channels-last copy is named <value>@nhwc
+TO_LAST, TO_FIRST, CHANNELS_LAST = "ToChannelsLast", "ToChannelsFirst", "ChannelsLast"
+_TO_LAST_PERM, _TO_FIRST_PERM = (0, 2, 3, 1), (0, 3, 1, 2)
+_TO_LAST_AXIS = (0, 3, 1, 2)  # where axis a of the channels-first value lies in the channels-last one
+
+# ops whose every output element depends on the inputs' elements at the same position
+_ELEMENTWISE = frozenset({"Relu", "HardSwish", "HardSigmoid", "Sigmoid", "Tanh", "Mul", "Add", "Sub", "Div", "Neg",
+                          "Where", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "And", "Or", "Not",
+                          "Sum", "Identity", "Reciprocal", "Sqrt", "Clip", "LeakyRelu", "Elu", "Erf"})
+_FUSED_ELEMENTWISE = frozenset({"SigmoidGrad", "TanhGrad"})  # fusion/activations.py's, in the engine's domain
+# (op, input position) that read only a value's size or type: any layout will do
+_LAYOUT_BLIND = {("Size", 0), ("CastLike", 1), ("DivideBySize", 1), ("DivideBySize", 2)}
+
+
+# ---------------------------------------------------------------- value shapes
+
+
+def value_shapes(graph: onnx.GraphProto, opsets: Mapping[str, int]) -> dict[str, Shape]:
+    """Every value's shape as onnx's shape inference sees it (None for an unknown dimension),
+    from a copy of the graph without its initializers' data; {} if inference fails."""
+    light = onnx.GraphProto(name=graph.name)
+    light.node.extend(graph.node)
+    light.input.extend(graph.input)
+    light.output.extend(graph.output)
+    light.value_info.extend(graph.value_info)
+    declared = {i.name for i in graph.input}
+    light.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                       for t in graph.initializer if t.name not in declared)
+    model = onnx.helper.make_model(light, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()])
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # an op the checker does not know: no layout decisions, the graph runs as written
+        return {}
+    shapes = {}
+    for info in [*inferred.input, *inferred.value_info, *inferred.output]:
+        tensor = info.type.tensor_type
+        if tensor.HasField("shape"):
+            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+    return shapes
+
+
+# ---------------------------------------------------------------- which nodes have a channels-last form
+
+
+class _Shapes:
+    """Value shapes: shape inference's, completed where it gave up inside the gradient graph (the
+    fused nodes, and ops whose shape it could not follow) by what the layout needs: the rank and
+    the channels of the image values around the depthwise convolutions."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.known: dict[str, Shape] = {}
+        for _ in range(3):  # a few sweeps: the node list is not necessarily in order after the fusions
+            for node in g.nodes:
+                self._complete(node)
+
+    def __call__(self, name: str) -> Shape | None:
+        shape = self.known.get(name) or self.g.shape(name)
+        if shape is None and self.g.constant(name) is not None:
+            shape = self.g.constant(name).shape
+        return shape
+
+    def _complete(self, node: onnx.NodeProto) -> None:
+        out = node.output[0] if node.output else ""
+        if not out or (self(out) is not None and None not in self(out)[:2]):
+            return
+        first = self(node.input[0]) if node.input else None
+        if node.op_type in _ELEMENTWISE or (node.domain == DOMAIN and node.op_type in {"NormalizationTrainingGrad", *_FUSED_ELEMENTWISE}):
+            ranked = [self(n) for n in node.input if n and self(n) is not None and len(self(n)) == 4]
+            if ranked:
+                self.known[out] = max(ranked, key=lambda sh: sum(d is not None for d in sh[:2]))
+        elif node.op_type == "Expand" and len(node.input) > 1 and self.g.producer(node.input[1], "Shape") is not None:
+            self.known[out] = self(self.g.producer(node.input[1], "Shape").input[0])  # Expand(v, Shape(x)): x's shape
+        elif node.op_type == "ReduceSum" and first is not None and node_attributes(node).get("keepdims", 1):
+            self.known[out] = tuple(None for _ in first)  # keeps the rank
+        elif node.op_type in ("Conv", "ConvTranspose") and first is not None and len(first) == 4:
+            group, w = node_attributes(node).get("group", 1), self(node.input[1])
+            if node.op_type == "Conv":
+                channels = w[0] if w is not None and len(w) == 4 else (group if group == first[1] else None)
+            else:
+                channels = w[1] * group if w is not None and len(w) == 4 and w[1] is not None else None
+            self.known[out] = (first[0], channels, None, None)
+
+
+def _is_image(shapes: _Shapes, name: str) -> bool:
+    shape = shapes(name)
+    return shape is not None and len(shape) == 4
+
+
+def _broadcasts_anyhow(shapes: _Shapes, name: str) -> bool:
+    """A value that broadcasts the same against either layout: one element, rank 0 or 1."""
+    shape = shapes(name)
+    return shape is not None and len(shape) <= 1 and all(d == 1 for d in shape)
+
+
+def _rule(g: _Shapes, node: onnx.NodeProto) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(input positions, output positions) the node's channels-last form reads and writes channels
+    last, or None if it has none here."""
+    op, attrs = node.op_type, node_attributes(node)
+    elementwise = op in _ELEMENTWISE if node.domain in STANDARD else (node.domain == DOMAIN and op in _FUSED_ELEMENTWISE)
+    if elementwise:
+        images = tuple(i for i, name in enumerate(node.input) if name and _is_image(g, name))
+        others_fit = all(_broadcasts_anyhow(g, name) for i, name in enumerate(node.input) if name and i not in images)
+        if images and others_fit and len(node.output) == 1 and _is_image(g, node.output[0]):
+            return images, (0,)
+        return None
+    if node.domain == DOMAIN:
+        if op == "NormalizationTrainingGrad" and attrs.get("spread") == [0, 2, 3] and attrs.get("axes") == [0, 2, 3] \
+                and _is_image(g, node.input[0]) and _is_image(g, node.input[1]):
+            return (0, 1), (0,)
+        return None
+    if node.domain not in STANDARD:
+        return None
+    if not _is_image(g, node.input[0]):
+        return None
+    if op == "BatchNormalization" and attrs.get("spatial", 1) == 1:
+        return (0,), (0,)
+    if op in ("Conv", "ConvTranspose"):
+        x, w = g(node.input[0]), g(node.input[1])
+        group = attrs.get("group", 1)
+        if w is not None and is_pointwise(w, attrs):
+            return (0,), (0,)
+        if op == "Conv" and w is not None and len(w) == 4 and w[1] is None:
+            w = (w[0], 1, *w[2:]) if x[1] == group else w  # a Conv's weights have C/group input channels
+        if w is not None and x[1] is not None and is_depthwise_conv(x[1], w, group):
+            return (0,), (0,)
+        return None
+    if op == "GlobalAveragePool":
+        return (0,), ()
+    if op == "ReduceSum" and attrs.get("keepdims", 1) and not attrs.get("noop_with_empty_axes", 0) \
+            and g.g.ints(node, 1, "axes") and _is_image(g, node.output[0]):
+        return (0,), (0,)
+    if op == "Shape" and "start" not in attrs and "end" not in attrs:
+        return (0,), ()
+    if op == "Transpose" and "perm" in attrs:
+        return (0,), ()
+    if op == "Expand" and g(node.input[1]) == (4,) and _is_image(g, node.output[0]):
+        return (0,), (0,)
+    return None
+
+
+def is_pointwise(w: Shape, attrs: dict) -> bool:
+    """A 1x1 convolution (or transposed one) in one group, stride 1, unpadded: a matrix product per pixel."""
+    flat = ("pads", "output_padding")
+    return (len(w) == 4 and w[2] == 1 and w[3] == 1 and attrs.get("group", 1) == 1 and "output_shape" not in attrs
+            and all(v == 1 for v in attrs.get("strides", [1])) and all(not any(attrs.get(a, [0])) for a in flat)
+            and attrs.get("auto_pad", "NOTSET") in ("NOTSET", "VALID"))
+
+
+def _is_seed(g: _Shapes, node: onnx.NodeProto) -> bool:
+    """A depthwise convolution (the pointwise ones join a region, they do not start one)."""
+    if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in STANDARD or _rule(g, node) is None:
+        return False
+    w = g(node.input[1])
+    return w is None or not is_pointwise(w, node_attributes(node))
+
+
+# ---------------------------------------------------------------- the pass
+
+
+@fusion("channels_last")
+def _channels_last(g: Graph) -> bool:
+    """Rewrite the nodes reachable from the depthwise convolutions through channels-last forms
+    into ChannelsLast nodes, converting at the region's edges only."""
+    if not any(n.op_type in ("Conv", "ConvTranspose") and node_attributes(n).get("group", 1) > 1 for n in g.nodes):
+        return False  # no depthwise convolution: no shape inference either
+    rules = _region(g, _Shapes(g))
+    if not rules:
+        return False
+    nodes: list[onnx.NodeProto] = []
+    made_last: dict[str, onnx.NodeProto] = {}
+    last_written = {n.output[o] for n in g.nodes if id(n) in rules for o in rules[id(n)][1]}
+
+    def channels_last(name: str) -> str:
+        if name in last_written:
+            return name + SUFFIX
+        if name not in made_last:  # a value from outside the region, read channels last: one copy
+            made_last[name] = fused_node(TO_LAST, [name], [name + SUFFIX], f"layout/{name}{SUFFIX}")
+            nodes.append(made_last[name])
+        return name + SUFFIX
+
+    for node in g.nodes:
+        rule = rules.get(id(node))
+        if rule is None:
+            nodes.append(node)
+            continue
+        ins, outs = rule
+        inputs = [channels_last(name) if i in ins else name for i, name in enumerate(node.input)]
+        outputs = [name + SUFFIX if o in outs else name for o, name in enumerate(node.output)]
+        rewritten = fused_node(CHANNELS_LAST, inputs, outputs, f"layout/{node.name or node.output[0]}",
+                               layout_op=node.op_type, layout_outputs=len(node.output))
+        rewritten.attribute.extend(node.attribute)
+        nodes.append(rewritten)
+    # every other read of a value the region writes channels last: a read of its size or type
+    # takes the channels-last copy, any other wants the value as written
+    first = {name for name in last_written if name in g.keep}
+    for i, node in enumerate(nodes):
+        blind = [j for j, name in enumerate(node.input) if name in last_written and (node.op_type, j) in _LAYOUT_BLIND]
+        if blind:
+            nodes[i] = node = _copy(node)
+            for j in blind:
+                node.input[j] += SUFFIX
+        first.update(name for name in (*node.input, *implicit_inputs(node)) if name in last_written)
+    nodes += [fused_node(TO_FIRST, [name + SUFFIX], [name], f"layout/{name}") for name in sorted(first)]
+    g.rewrite(nodes)
+    return True
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    """A node to edit: the graph's own NodeProtos belong to the caller."""
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    return copy
+
+
+def _region(g: Graph, shapes: _Shapes) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The nodes to rewrite, with their rules: the seeds, then every node with a channels-last form
+    that reads a value the region writes channels last, or writes one the region reads so."""
+    rules: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # by id(node): NodeProtos do not hash
+    frontier = [n for n in g.nodes if _is_seed(shapes, n)]
+    for n in frontier:
+        rules[id(n)] = _rule(shapes, n)
+    while frontier:
+        node = frontier.pop()
+        ins, outs = rules[id(node)]
+        neighbours = [g.made_by(node.input[i]) for i in ins]
+        neighbours += [r for o in outs for r in g.consumers(node.output[o])]
+        for other in neighbours:
+            if other is None or id(other) in rules:
+                continue
+            rule = _rule(shapes, other)
+            if rule is None:
+                continue
+            o_ins, o_outs = rule
+            shared_in = {other.input[i] for i in o_ins} & {node.output[o] for o in outs}
+            shared_out = {other.output[o] for o in o_outs} & {node.input[i] for i in ins}
+            if shared_in or shared_out:
+                rules[id(other)] = rule
+                frontier.append(other)
+    return rules
+
+
+# ---------------------------------------------------------------- the kernels
+
+
+@fused_op(TO_LAST)
+def _to_last(attrs: dict, opset: int) -> Callable[..., tuple]:
+    return lambda x: (np.ascontiguousarray(x.transpose(_TO_LAST_PERM)),)
+
+
+@fused_op(TO_FIRST)
+def _to_first(attrs: dict, opset: int) -> Callable[..., tuple]:
+    return lambda x: (np.ascontiguousarray(x.transpose(_TO_FIRST_PERM)),)
+
+
+def _per_channel_rows(fn: Callable[..., tuple], images: int) -> Callable[..., tuple]:
+    """``fn`` of a per-channel op on its first ``images`` inputs as (N*H*W, C) rows: the
+    op's (N, C, rest) layout with rest = 1, so the same per-channel statistics."""
+    def run(*args):
+        shape = args[0].shape
+        rows = [a.reshape(-1, shape[-1]) for a in args[:images]]
+        out = fn(*rows, *args[images:])
+        return (out[0].reshape(shape), *out[1:])
+    return run
+
+
+def _global_average_pool(x: np.ndarray) -> tuple:
+    """(N, H, W, C) -> the (N, C, 1, 1) mean, summed down the rows of each image."""
+    n, c = x.shape[0], x.shape[-1]
+    rows = x.reshape(n, -1, c)
+    if x.dtype not in (np.float32, np.float64):
+        return (rows.mean(axis=1).reshape(n, c, 1, 1),)
+    total = np.add.reduce(rows, axis=1)
+    total *= x.dtype.type(1 / rows.shape[1])
+    return (total.reshape(n, c, 1, 1),)
+
+
+def _own_kernels(op: str, attrs: dict, opset: int, outputs: int) -> Callable[..., tuple] | None:
+    if op == "Conv":
+        return functools.partial(conv_channels_last, **attrs)
+    if op == "ConvTranspose":
+        return functools.partial(conv_transpose_channels_last, **attrs)
+    if op == "ReduceSum":
+        reduce_sum = kernel_entry("ReduceSum", opset).fn
+        return lambda x, axes: reduce_sum(x, np.asarray([_TO_LAST_AXIS[a % 4] for a in np.atleast_1d(axes)], dtype=np.int64), keepdims=1)
+    if op == "GlobalAveragePool":
+        return _global_average_pool
+    if op == "Shape":
+        return lambda x: (np.array([x.shape[i] for i in _TO_FIRST_PERM], dtype=np.int64),)
+    if op == "Transpose":
+        perm = [_TO_FIRST_PERM[p] for p in attrs["perm"]]  # axis p of the channels-first value
+        return lambda x: (np.transpose(x, perm),)
+    if op == "Expand":
+        expand = kernel_entry("Expand", opset).fn
+        return lambda x, shape: expand(x, np.asarray(shape)[list(_TO_LAST_PERM)])
+    if op == "NormalizationTrainingGrad":
+        general = normalization_training_grad([0], "ac,ac->c", [0], opset)
+        return _per_channel_rows(lambda x, dy, *rest: (batch_norm_grad_rows if _fast(x, dy) else general)(x, dy, *rest), 2)
+    if op == "BatchNormalization" and attrs.get("training_mode") and opset >= 14:
+        entry = kernel_entry(op, opset)
+        general = functools.partial(entry.fn, **attrs, _num_outputs=outputs)
+        eps, momentum = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9)
+
+        def batch_norm(x, *params):
+            if _fast(x, *params):
+                return batch_norm_rows(x, *params, eps, momentum)
+            return general(x, *params)
+        return _per_channel_rows(batch_norm, 1)
+    return None
+
+
+def _fast(*arrays: np.ndarray) -> bool:
+    """Whether the (rows, C) kernels apply: float32 or float64 throughout (others widen as the ONNX kernels do)."""
+    return all(a.dtype == arrays[0].dtype for a in arrays) and arrays[0].dtype in (np.float32, np.float64)
+
+
+@fused_op(CHANNELS_LAST)
+def _channels_last_op(attrs: dict, opset: int) -> Callable[..., tuple]:
+    op, outputs = attrs.pop("layout_op"), attrs.pop("layout_outputs")
+    own = _own_kernels(op, attrs, opset, outputs)
+    if own is not None:
+        return own
+    if op in _FUSED_ELEMENTWISE:
+        return bind(onnx.helper.make_node(op, [], [], domain=DOMAIN), opset)
+    entry = kernel_entry(op, opset)
+    if "_num_outputs" in entry.engine_keywords:
+        attrs["_num_outputs"] = outputs
+    fn = functools.partial(entry.fn, **attrs)
+    return _per_channel_rows(fn, 1) if op == "BatchNormalization" else fn
+
+
+def channels_last_names(nodes: Sequence[onnx.NodeProto]) -> list[str]:
+    """The values a plan holds channels last (for tests and profiles)."""
+    return [name for n in nodes for name in n.output if name.endswith(SUFFIX)]
