@@ -208,7 +208,8 @@ def _channels_last(g: Graph) -> bool:
     into ChannelsLast nodes, converting at the region's edges only."""
     if not any(n.op_type in ("Conv", "ConvTranspose") and node_attributes(n).get("group", 1) > 1 for n in g.nodes):
         return False  # no depthwise convolution: no shape inference either
-    rules = _region(g, _Shapes(g))
+    shapes = _Shapes(g)
+    rules = _region(g, shapes)
     if not rules:
         return False
     nodes: list[onnx.NodeProto] = []
@@ -247,7 +248,61 @@ def _channels_last(g: Graph) -> bool:
         first.update(name for name in (*node.input, *implicit_inputs(node)) if name in last_written)
     nodes += [fused_node(TO_FIRST, [name + SUFFIX], [name], f"layout/{name}") for name in sorted(first)]
     g.rewrite(nodes)
+    _pointwise_weight_grads(g, shapes)
     return True
+
+
+def _layout_transpose(g: Graph, name: str) -> str | None:
+    """The channels-last value that ``name`` is Transpose(perm=[1, 0, 2, 3]) of, if so."""
+    node = g.made_by(name)
+    if node is None or node.op_type != CHANNELS_LAST or node.domain != DOMAIN:
+        return None
+    attrs = node_attributes(node)
+    return node.input[0] if attrs.get("layout_op") == "Transpose" and attrs.get("perm") == [1, 0, 2, 3] else None
+
+
+def _pointwise_weight_grads(g: Graph, shapes: _Shapes) -> None:
+    """A 1x1 Conv's weight gradient (grad/rules/conv.py, _weight_grad) on channels-last X and dY:
+    MatMul(Reshape(Unsqueeze([Slice](X^T))), Transpose(Reshape(dY^T))) -> one product
+    X^T @ dY of the (pixels, channels) matrices, which BLAS reads in place: the rule's form copied
+    both operands across the layout first. The same sums in BLAS's order for the shape."""
+    for matmul in [n for n in g.nodes if n.op_type == "MatMul" and n.domain in STANDARD]:
+        columns = g.producer(matmul.input[0], "Reshape")
+        unsqueeze = g.producer(columns.input[0], "Unsqueeze") if columns else None
+        gradient = g.producer(matmul.input[1], "Transpose")
+        grads = g.producer(gradient.input[0], "Reshape") if gradient else None
+        if unsqueeze is None or grads is None or node_attributes(gradient).get("perm") != [0, 2, 1] \
+                or g.ints(unsqueeze, 1, "axes") != [1] or g.ints(columns, 1, "shape") is None \
+                or (g.ints(columns, 1, "shape") or [0])[0] != 1 or (g.ints(grads, 1, "shape") or [0])[0] != 1:
+            continue
+        sliced = g.producer(unsqueeze.input[0], "Slice")
+        x = _layout_transpose(g, sliced.input[0] if sliced else unsqueeze.input[0])
+        dy = _layout_transpose(g, grads.input[0])
+        if x is None or dy is None or (sliced is not None and not _whole(g, sliced, shapes(x.removesuffix(SUFFIX)))):
+            continue
+        chain = [n for n in (sliced, unsqueeze, columns, grads, gradient, matmul) if n is not None]
+        fused = fused_node("PointwiseWeightGrad", [x, dy], matmul.output, f"layout/{matmul.name or matmul.output[0]}")
+        g.replace(chain, fused)
+
+
+def _whole(g: Graph, sliced: onnx.NodeProto, shape: Shape | None) -> bool:
+    """Whether a Slice of Transpose(x, perm=[1, 0, 2, 3]), x of channels-first ``shape``, keeps every
+    element: starts 0, step 1, ends past the axis."""
+    starts, ends, axes = g.ints(sliced, 1, "starts"), g.ints(sliced, 2, "ends"), g.ints(sliced, 3, "axes")
+    steps = g.ints(sliced, 4, "steps") if len(sliced.input) > 4 and sliced.input[4] else [1] * len(starts or [])
+    if shape is None or starts is None or ends is None or axes is None or steps is None:
+        return False
+    sizes = {1: shape[0], 0: shape[1], 2: shape[2], 3: shape[3]}  # Transpose(perm=[1, 0, 2, 3]) of the channels-first value
+    return all(s == 0 and st == 1 and sizes.get(a) is not None and e >= sizes[a]
+               for s, e, a, st in zip(starts, ends, axes, steps))
+
+
+@fused_op("PointwiseWeightGrad")
+def _pointwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
+    def run(x, dy):
+        rows, columns = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        return (np.matmul(rows.T, columns)[None],)  # (1, C, M): the rule's group axis of one
+    return run
 
 
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
