@@ -1,57 +1,55 @@
 """The channels-last training graph: around depthwise convolutions, values are kept as
-(N, H, W, C) arrays through the forward and backward graph, with one transpose where a
-consumer needs ONNX's (N, C, H, W) and none in between.
+(N, H, W, C) arrays through the forward and backward graph, with a transpose only where a
+consumer needs ONNX's (N, C, H, W).
 
 Why: the depthwise kernels run channels last (kernels/conv.py: their taps are then long
 contiguous runs), and BatchNormalization, the activations and their gradients around them
-ran channels first, so every depthwise Conv paid a transpose back (about 1 ns an element),
-and so did its input gradient. Elementwise ops do not care about the layout, and the
-per-channel ones (BatchNormalization and its fused gradient) are faster on (N*H*W, C) rows.
+ran channels first, so every depthwise Conv and its input gradient paid transposes (about
+1 ns an element). Elementwise ops do not care about the layout; a 1x1 convolution channels
+last is one matrix product per batch, as channels first.
 
-The pass (``channels_last``, last in the fusion order: it sees the fused normalization
-gradients) decides a layout per value: it starts from every depthwise Conv and ConvTranspose
-(the seeds) and grows, through the values they read and write, over every node that has a
-channels-last form (``_rule``); a node it reaches is rewritten into a ``ChannelsLast`` node in
-the engine's domain that runs the op on channels-last arrays. Such a node writes
-``<value>@nhwc``; the value under its own name is then made by a ``ToChannelsFirst`` node only
-if something still reads it that way (a pointwise Conv, a graph output, a check), and a
-channels-last reader of a value made channels first gets a ``ToChannelsLast`` copy. Graph
-inputs, outputs, parameters and checkpoints therefore keep ONNX's layout.
+The pass (``channels_last``, last in the fusion order: it sees the fused normalization and
+activation gradients) decides a layout per value: it starts from every depthwise Conv and
+ConvTranspose (the seeds) and grows, through the values they read and write, over every node
+that has a channels-last form (``_rule``: elementwise ops and their fused gradients,
+BatchNormalization and its fused gradient, 1x1 and depthwise convolutions and their transposes,
+GlobalAveragePool, ReduceSum keeping dims, Shape, Expand, Transpose). A node it reaches becomes
+a ``ChannelsLast`` node in the engine's domain (layout_ops.py runs the op on channels-last
+arrays) that writes ``<value>@nhwc``; the value under its own name is then made by a
+``ToChannelsFirst`` node only if something still reads it that way (a 3x3 Conv, a graph output,
+a check), and a channels-last reader of a value from outside gets one ``ToChannelsLast`` copy.
+Graph inputs, outputs, parameters and checkpoints therefore keep ONNX's layout. A network
+without depthwise convolutions is left as it is.
 
 Equal to the graph as written: elementwise ops, the depthwise convolutions and the
 transposes compute the same values from the same operands (bit for bit); the statistics of
-BatchNormalization, its gradient and GlobalAveragePool sum the same numbers in another order
-(rounding only; tests/odt_ops/runtime/test_channels_last.py holds both plans together).
+BatchNormalization, its gradient, GlobalAveragePool, ReduceSum and the 1x1 convolutions' products
+sum the same numbers in another order (rounding only; tests/odt_ops/runtime/test_channels_last.py
+holds the plans to the graph as written and to onnxruntime).
 
 What it needs to know: the rank and some dimensions of the values (onnx's shape inference,
-run only when the graph has a depthwise convolution); a value of unknown rank stays as it is.
+run only when the graph has a grouped convolution, completed where it gives up inside the
+gradient graph); a value of unknown rank stays as it is.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 
-import numpy as np
 import onnx
 
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.ir.graph import implicit_inputs
-from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_rows
-from odt_ops.kernels.conv import conv_channels_last, conv_transpose_channels_last, is_depthwise_conv
-from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, bind, fused_node, fused_op, fusion, kernel_entry
-from odt_ops.runtime.fusion.normalization import normalization_training_grad
+from odt_ops.kernels.conv import is_depthwise_conv
+from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, fused_node, fusion
+from odt_ops.runtime.fusion.layout_ops import CHANNELS_LAST, FUSED_ELEMENTWISE, TO_FIRST, TO_LAST
 
 Shape = tuple  # of int (a known dimension) or None
 SUFFIX = "@nhwc"  # a value's channels-last copy is named <value>@nhwc
-TO_LAST, TO_FIRST, CHANNELS_LAST = "ToChannelsLast", "ToChannelsFirst", "ChannelsLast"
-_TO_LAST_PERM, _TO_FIRST_PERM = (0, 2, 3, 1), (0, 3, 1, 2)
-_TO_LAST_AXIS = (0, 3, 1, 2)  # where axis a of the channels-first value lies in the channels-last one
 
 # ops whose every output element depends on the inputs' elements at the same position
 _ELEMENTWISE = frozenset({"Relu", "HardSwish", "HardSigmoid", "Sigmoid", "Tanh", "Mul", "Add", "Sub", "Div", "Neg",
                           "Where", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "And", "Or", "Not",
                           "Sum", "Identity", "Reciprocal", "Sqrt", "Clip", "LeakyRelu", "Elu", "Erf"})
-_FUSED_ELEMENTWISE = frozenset({"SigmoidGrad", "TanhGrad"})  # fusion/activations.py's, in the engine's domain
 # (op, input position) that read only a value's size or type: any layout will do
 _LAYOUT_BLIND = {("Size", 0), ("CastLike", 1), ("DivideBySize", 1), ("DivideBySize", 2)}
 
@@ -109,7 +107,7 @@ class _Shapes:
         if not out or (self(out) is not None and None not in self(out)[:2]):
             return
         first = self(node.input[0]) if node.input else None
-        if node.op_type in _ELEMENTWISE or (node.domain == DOMAIN and node.op_type in {"NormalizationTrainingGrad", *_FUSED_ELEMENTWISE}):
+        if node.op_type in _ELEMENTWISE or (node.domain == DOMAIN and node.op_type in {"NormalizationTrainingGrad", *FUSED_ELEMENTWISE}):
             ranked = [self(n) for n in node.input if n and self(n) is not None and len(self(n)) == 4]
             if ranked:
                 self.known[out] = max(ranked, key=lambda sh: sum(d is not None for d in sh[:2]))
@@ -141,7 +139,7 @@ def _rule(g: _Shapes, node: onnx.NodeProto) -> tuple[tuple[int, ...], tuple[int,
     """(input positions, output positions) the node's channels-last form reads and writes channels
     last, or None if it has none here."""
     op, attrs = node.op_type, node_attributes(node)
-    elementwise = op in _ELEMENTWISE if node.domain in STANDARD else (node.domain == DOMAIN and op in _FUSED_ELEMENTWISE)
+    elementwise = op in _ELEMENTWISE if node.domain in STANDARD else (node.domain == DOMAIN and op in FUSED_ELEMENTWISE)
     if elementwise:
         images = tuple(i for i, name in enumerate(node.input) if name and _is_image(g, name))
         others_fit = all(_broadcasts_anyhow(g, name) for i, name in enumerate(node.input) if name and i not in images)
@@ -297,14 +295,6 @@ def _whole(g: Graph, sliced: onnx.NodeProto, shape: Shape | None) -> bool:
                for s, e, a, st in zip(starts, ends, axes, steps))
 
 
-@fused_op("PointwiseWeightGrad")
-def _pointwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
-    def run(x, dy):
-        rows, columns = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        return (np.matmul(rows.T, columns)[None],)  # (1, C, M): the rule's group axis of one
-    return run
-
-
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     """A node to edit: the graph's own NodeProtos belong to the caller."""
     copy = onnx.NodeProto()
@@ -337,97 +327,3 @@ def _region(g: Graph, shapes: _Shapes) -> dict[int, tuple[tuple[int, ...], tuple
                 rules[id(other)] = rule
                 frontier.append(other)
     return rules
-
-
-# ---------------------------------------------------------------- the kernels
-
-
-@fused_op(TO_LAST)
-def _to_last(attrs: dict, opset: int) -> Callable[..., tuple]:
-    return lambda x: (np.ascontiguousarray(x.transpose(_TO_LAST_PERM)),)
-
-
-@fused_op(TO_FIRST)
-def _to_first(attrs: dict, opset: int) -> Callable[..., tuple]:
-    return lambda x: (np.ascontiguousarray(x.transpose(_TO_FIRST_PERM)),)
-
-
-def _per_channel_rows(fn: Callable[..., tuple], images: int) -> Callable[..., tuple]:
-    """``fn`` of a per-channel op on its first ``images`` inputs as (N*H*W, C) rows: the
-    op's (N, C, rest) layout with rest = 1, so the same per-channel statistics."""
-    def run(*args):
-        shape = args[0].shape
-        rows = [a.reshape(-1, shape[-1]) for a in args[:images]]
-        out = fn(*rows, *args[images:])
-        return (out[0].reshape(shape), *out[1:])
-    return run
-
-
-def _global_average_pool(x: np.ndarray) -> tuple:
-    """(N, H, W, C) -> the (N, C, 1, 1) mean, summed down the rows of each image."""
-    n, c = x.shape[0], x.shape[-1]
-    rows = x.reshape(n, -1, c)
-    if x.dtype not in (np.float32, np.float64):
-        return (rows.mean(axis=1).reshape(n, c, 1, 1),)
-    total = np.add.reduce(rows, axis=1)
-    total *= x.dtype.type(1 / rows.shape[1])
-    return (total.reshape(n, c, 1, 1),)
-
-
-def _own_kernels(op: str, attrs: dict, opset: int, outputs: int) -> Callable[..., tuple] | None:
-    if op == "Conv":
-        return functools.partial(conv_channels_last, **attrs)
-    if op == "ConvTranspose":
-        return functools.partial(conv_transpose_channels_last, **attrs)
-    if op == "ReduceSum":
-        reduce_sum = kernel_entry("ReduceSum", opset).fn
-        return lambda x, axes: reduce_sum(x, np.asarray([_TO_LAST_AXIS[a % 4] for a in np.atleast_1d(axes)], dtype=np.int64), keepdims=1)
-    if op == "GlobalAveragePool":
-        return _global_average_pool
-    if op == "Shape":
-        return lambda x: (np.array([x.shape[i] for i in _TO_FIRST_PERM], dtype=np.int64),)
-    if op == "Transpose":
-        perm = [_TO_FIRST_PERM[p] for p in attrs["perm"]]  # axis p of the channels-first value
-        return lambda x: (np.transpose(x, perm),)
-    if op == "Expand":
-        expand = kernel_entry("Expand", opset).fn
-        return lambda x, shape: expand(x, np.asarray(shape)[list(_TO_LAST_PERM)])
-    if op == "NormalizationTrainingGrad":
-        general = normalization_training_grad([0], "ac,ac->c", [0], opset)
-        return _per_channel_rows(lambda x, dy, *rest: (batch_norm_grad_rows if _fast(x, dy) else general)(x, dy, *rest), 2)
-    if op == "BatchNormalization" and attrs.get("training_mode") and opset >= 14:
-        entry = kernel_entry(op, opset)
-        general = functools.partial(entry.fn, **attrs, _num_outputs=outputs)
-        eps, momentum = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9)
-
-        def batch_norm(x, *params):
-            if _fast(x, *params):
-                return batch_norm_rows(x, *params, eps, momentum)
-            return general(x, *params)
-        return _per_channel_rows(batch_norm, 1)
-    return None
-
-
-def _fast(*arrays: np.ndarray) -> bool:
-    """Whether the (rows, C) kernels apply: float32 or float64 throughout (others widen as the ONNX kernels do)."""
-    return all(a.dtype == arrays[0].dtype for a in arrays) and arrays[0].dtype in (np.float32, np.float64)
-
-
-@fused_op(CHANNELS_LAST)
-def _channels_last_op(attrs: dict, opset: int) -> Callable[..., tuple]:
-    op, outputs = attrs.pop("layout_op"), attrs.pop("layout_outputs")
-    own = _own_kernels(op, attrs, opset, outputs)
-    if own is not None:
-        return own
-    if op in _FUSED_ELEMENTWISE:
-        return bind(onnx.helper.make_node(op, [], [], domain=DOMAIN), opset)
-    entry = kernel_entry(op, opset)
-    if "_num_outputs" in entry.engine_keywords:
-        attrs["_num_outputs"] = outputs
-    fn = functools.partial(entry.fn, **attrs)
-    return _per_channel_rows(fn, 1) if op == "BatchNormalization" else fn
-
-
-def channels_last_names(nodes: Sequence[onnx.NodeProto]) -> list[str]:
-    """The values a plan holds channels last (for tests and profiles)."""
-    return [name for n in nodes for name in n.output if name.endswith(SUFFIX)]
