@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import onnx
 
 from odt_ops.ir.attributes import node_attributes
@@ -247,6 +248,7 @@ def _channels_last(g: Graph) -> bool:
     nodes += [fused_node(TO_FIRST, [name + SUFFIX], [name], f"layout/{name}") for name in sorted(first)]
     g.rewrite(nodes)
     _pointwise_weight_grads(g, shapes)
+    _depthwise_weight_grads(g)
     return True
 
 
@@ -281,6 +283,54 @@ def _pointwise_weight_grads(g: Graph, shapes: _Shapes) -> None:
         chain = [n for n in (sliced, unsqueeze, columns, grads, gradient, matmul) if n is not None]
         fused = fused_node("PointwiseWeightGrad", [x, dy], matmul.output, f"layout/{matmul.name or matmul.output[0]}")
         g.replace(chain, fused)
+
+
+def _depthwise_weight_grads(g: Graph) -> None:
+    """A depthwise Conv's weight gradient on channels-last X and dY: MatMul(Reshape(window columns
+    of [Pad](X^T)), Transpose(Reshape(dY^T))) -> one node that, per kernel tap, multiplies the tap's
+    view of the padded channels-last X by dY and sums down the rows: no column copy across the
+    layout, no C tiny products. The same products, summed in another order."""
+    for matmul in [n for n in g.nodes if n.op_type == "MatMul" and n.domain in STANDARD]:
+        columns = g.producer(matmul.input[0], "Reshape")
+        stack = g.made_by(columns.input[0]) if columns else None
+        gradient = g.producer(matmul.input[1], "Transpose")
+        grads = g.producer(gradient.input[0], "Reshape") if gradient else None
+        if stack is None or grads is None or stack.domain != DOMAIN or stack.op_type not in ("StackedSlices", "WindowColumns"):
+            continue
+        attrs = node_attributes(stack)
+        taps = len(attrs["regions"]) // (4 * attrs["rank"])
+        group = (g.ints(columns, 1, "shape") or [0])[0]
+        if node_attributes(gradient).get("perm") != [0, 2, 1] or attrs["axis"] != 1 or attrs["rank"] != 2 \
+                or g.ints(columns, 1, "shape") != [group, taps, -1] or g.ints(grads, 1, "shape") != [group, 1, -1] \
+                or any(a not in (2, 3) for a in attrs["regions"][::4]):
+            continue
+        chain, pads = [stack, columns, grads, gradient, matmul], [0, 0, 0, 0]
+        source = stack.input[0]
+        if stack.op_type == "WindowColumns":
+            pads = attrs["pads"]  # checked zero padding of the spatial axes, (begins, ends)
+        elif g.producer(source, "Pad") is not None:
+            pad = g.producer(source, "Pad")
+            padding = _zero_spatial_pads(g, pad)
+            if padding is None:
+                continue
+            chain, pads, source = [pad, *chain], padding, pad.input[0]
+        x, dy = _layout_transpose(g, source), _layout_transpose(g, grads.input[0])
+        if x is None or dy is None:
+            continue
+        fused = fused_node("DepthwiseWeightGrad", [x, dy], matmul.output, f"layout/{matmul.name or matmul.output[0]}",
+                           regions=attrs["regions"], pads=pads)
+        g.replace(chain, fused)
+
+
+def _zero_spatial_pads(g: Graph, pad: onnx.NodeProto) -> list[int] | None:
+    """[begin H, begin W, end H, end W] if ``pad`` zero-pads only the last two axes of a rank-4 value by constants >= 0."""
+    pads = g.ints(pad, 1, "pads")
+    mode = node_attributes(pad).get("mode", "constant")
+    value = g.constant(pad.input[2]) if len(pad.input) > 2 and pad.input[2] else np.zeros(1)
+    if pads is None or len(pads) != 8 or mode != "constant" or value is None or value.size != 1 or value.reshape(-1)[0] != 0 \
+            or (len(pad.input) > 3 and pad.input[3]) or min(pads) < 0 or any(pads[i] for i in (0, 1, 4, 5)):
+        return None
+    return [pads[2], pads[3], pads[6], pads[7]]
 
 
 def _whole(g: Graph, sliced: onnx.NodeProto, shape: Shape | None) -> bool:

@@ -111,3 +111,32 @@ def _pointwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
         rows, columns = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         return (np.matmul(rows.T, columns)[None],)  # (1, C, M): the rule's group axis of one
     return run
+
+
+@fused_op("DepthwiseWeightGrad")
+def _depthwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
+    """(C, taps, 1): per tap, the sum over the batch and the output positions of dY times the tap's
+    view of the zero-padded X, both (N, H, W, C). ``regions``: per tap and spatial axis (axis of the
+    (C, N, H, W) value, start, end, step) on the padded input; ``pads``: (begin H, W, end H, W)."""
+    flat, (top, left, bottom, right) = attrs["regions"], attrs["pads"]
+    regions = [[tuple(flat[i + 4 * j: i + 4 * j + 4]) for j in range(2)] for i in range(0, len(flat), 8)]
+
+    def run(x, dy):
+        n, h, w, c = x.shape
+        padded = np.zeros((n, h + top + bottom, w + left + right, c), dtype=x.dtype)
+        padded[:, top:top + h, left:left + w] = x
+        sums = np.ones(dy.size // c, dtype=dy.dtype)
+        product = np.empty(dy.shape, dtype=np.result_type(x, dy))
+        out = np.empty((c, len(regions), 1), dtype=product.dtype)
+        for t, region in enumerate(regions):
+            index = [slice(None)] * 4
+            for axis, start, end, step in region:
+                index[axis - 1] = slice(start, end, step)  # (C, N, H, W) axis 2, 3 -> (N, H, W, C) axis 1, 2
+            tap = padded[tuple(index)]
+            if tap.shape != dy.shape:
+                raise ValueError(f"a window tap {tap.shape} does not match the output gradient {dy.shape}")
+            np.multiply(tap, dy, out=product)
+            out[:, t, 0] = sums @ product.reshape(-1, c)
+        return (out,)
+
+    return run

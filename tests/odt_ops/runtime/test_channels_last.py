@@ -75,6 +75,7 @@ def test_channels_last_plan_trains_as_the_graph_as_written(tmp_path, name):
     # converted only at the edges: the stem's output, the squeeze-excite's (N, C, 1, 1) values, the head
     assert ops["ToChannelsFirst"] + ops["ToChannelsLast"] < graph_ops["Conv"]
     assert ops["PointwiseWeightGrad"] > 0  # 1x1 weight gradients as one product of the channels-last matrices
+    assert ops["DepthwiseWeightGrad"] > 0  # depthwise ones as a multiply and a column sum per kernel tap
     got, want = nhwc.run(feeds), plain.run(feeds)
     for g, w, name_ in zip(got, want, outputs):
         assert not name_.endswith(SUFFIX)
