@@ -78,6 +78,16 @@ def batch_norm_rows(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np
             var * m + batch_var.astype(stat, copy=False) * one_minus)
 
 
+def batch_norm_inference_rows(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                              epsilon: float) -> np.ndarray:
+    """Inference-mode BatchNormalization of (rows, C) float rows, the affine folded as the
+    channels-first kernel folds it (kernels/nn.py): the same operations on the same operands."""
+    ct = x.dtype
+    a = scale.astype(ct, copy=False).ravel() / np.sqrt(var.astype(ct, copy=False).ravel() + ct.type(epsilon))
+    y = along_rows(np.multiply, x, a)
+    return along_rows(np.add, y, bias.astype(ct, copy=False).ravel() - mean.astype(ct, copy=False).ravel() * a, out=y)
+
+
 def batch_norm_grad_rows(x: np.ndarray, dy: np.ndarray, scale: np.ndarray, count, epsilon) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The training-mode BatchNormalization gradient (grad/rules/nn.py's rule, as the fused
     NormalizationTrainingGrad computes it) of (rows, C) rows: (dX, d scale, d bias). ``count``

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 
-from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_rows
+from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows
 from odt_ops.kernels.conv import conv_channels_last, conv_transpose_channels_last
 from odt_ops.runtime.fusion.graph import DOMAIN, bind, fused_op, kernel_entry
 from odt_ops.runtime.fusion.normalization import normalization_training_grad
@@ -72,15 +72,17 @@ def _own_kernels(op: str, attrs: dict, opset: int, outputs: int) -> Callable[...
     if op == "NormalizationTrainingGrad":
         general = normalization_training_grad([0], "ac,ac->c", [0], opset)
         return _per_channel_rows(lambda x, dy, *rest: (batch_norm_grad_rows if _fast(x, dy) else general)(x, dy, *rest), 2)
-    if op == "BatchNormalization" and attrs.get("training_mode") and opset >= 14:
+    if op == "BatchNormalization" and opset >= 14:
         entry = kernel_entry(op, opset)
         general = functools.partial(entry.fn, **attrs, _num_outputs=outputs)
-        eps, momentum = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9)
+        eps, momentum, training = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9), attrs.get("training_mode", 0)
 
         def batch_norm(x, *params):
-            if _fast(x, *params):
+            if not _fast(x, *params):
+                return general(x, *params)
+            if training:
                 return batch_norm_rows(x, *params, eps, momentum)
-            return general(x, *params)
+            return (batch_norm_inference_rows(x, *params, eps),)
         return _per_channel_rows(batch_norm, 1)
     return None
 

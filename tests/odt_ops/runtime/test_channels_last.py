@@ -14,7 +14,8 @@ from onnx import numpy_helper
 from odt_ops import meta
 from odt_ops.api import CheckpointState
 from odt_ops.kernels import conv as conv_kernels
-from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_rows
+from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows
+from odt_ops.kernels.nn import batch_normalization
 from odt_ops.runtime.fusion import DOMAIN
 from odt_ops.runtime.fusion.layout import SUFFIX
 from odt_ops.runtime.plan import Plan
@@ -81,6 +82,17 @@ def test_channels_last_plan_trains_as_the_graph_as_written(tmp_path, name):
         assert not name_.endswith(SUFFIX)
         assert g.shape == w.shape and g.dtype == w.dtype, name_
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=name_)
+
+    # the eval model (BatchNormalization in inference mode) too
+    eval_proto = onnx.load(tmp_path / "odt" / "eval_model.onnx")
+    by_name = dict(zip(inputs, feeds))
+    eval_inputs = [i.name for i in eval_proto.graph.input]
+    eval_outputs = [o.name for o in eval_proto.graph.output]
+    eval_feeds = [by_name[n] for n in eval_inputs]
+    eval_nhwc = _plan(eval_proto, eval_inputs, eval_outputs, fuse=True)
+    assert _layout_ops(eval_nhwc)["BatchNormalization"] == graph_ops["BatchNormalization"]
+    for g, w in zip(eval_nhwc.run(eval_feeds), _plan(eval_proto, eval_inputs, eval_outputs, fuse=False).run(eval_feeds)):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
     ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the spec oracle running the artifact graph")
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -159,3 +171,15 @@ def test_batch_norm_rows_and_their_gradient_match_torch():
     np.testing.assert_allclose(dx.reshape(4, 5, 6, 7), _last(tx.grad.numpy()), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dscale, ts.grad.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dbias, tb.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_inference_batch_norm_rows_are_the_channels_first_kernel_bit_for_bit():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 10, 4, 5)).astype(np.float32)
+    scale, bias, mean = (rng.standard_normal(10).astype(np.float32) for _ in range(3))
+    var = rng.random(10).astype(np.float32) + 0.1
+    want = batch_normalization(x, scale, bias, mean, var, epsilon=1e-3)[0]
+    got = batch_norm_inference_rows(_last(x).reshape(-1, 10), scale, bias, mean, var, 1e-3)
+    np.testing.assert_array_equal(got.reshape(3, 4, 5, 10), _last(want))
+    oracle = torch.nn.functional.batch_norm(*map(torch.from_numpy, (x, mean, var, scale, bias)), training=False, eps=1e-3)
+    np.testing.assert_allclose(want, oracle.numpy(), rtol=1e-5, atol=1e-5)
