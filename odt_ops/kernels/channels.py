@@ -52,7 +52,9 @@ def along_rows(ufunc: np.ufunc, x: np.ndarray, values: np.ndarray, out: np.ndarr
     multiply); here the values are spelled out over k rows and x read as (rows / k, k * C): the
     same operation on the same operands, element by element, so the same bits."""
     r, c = x.shape
-    k = math.gcd(r, max(1, _ROW_BLOCK // max(c, 1)))
+    most = max(1, _ROW_BLOCK // max(c, 1))
+    # a divisor of the rows up to ``most``: the rows are images x pixels, mostly with powers of two in them
+    k = max(math.gcd(r, most), math.gcd(r, 1 << (most.bit_length() - 1)))
     if k == 1 or not x.flags.c_contiguous or (out is not None and not out.flags.c_contiguous):
         return ufunc(x, values, out=out)
     wide = (r // k, k * c)
