@@ -99,21 +99,24 @@ class _Shapes:
 
     def __call__(self, name: str) -> Shape | None:
         shape = self.known.get(name) or self.g.shape(name)
-        if shape is None and self.g.constant(name) is not None:
-            shape = self.g.constant(name).shape
-        return shape
+        constant = self.g.constant(name)
+        return constant.shape if shape is None and constant is not None else shape
 
     def _complete(self, node: onnx.NodeProto) -> None:
         out = node.output[0] if node.output else ""
-        if not out or (self(out) is not None and None not in self(out)[:2]):
+        known = self(out) if out else None
+        if not out or (known is not None and None not in known[:2]):
             return
         first = self(node.input[0]) if node.input else None
+        shaped = self.g.producer(node.input[1], "Shape") if node.op_type == "Expand" and len(node.input) > 1 else None
         if node.op_type in _ELEMENTWISE or (node.domain == DOMAIN and node.op_type in {"NormalizationTrainingGrad", *FUSED_ELEMENTWISE}):
-            ranked = [self(n) for n in node.input if n and self(n) is not None and len(self(n)) == 4]
+            ranked = [sh for sh in map(self, filter(None, node.input)) if sh is not None and len(sh) == 4]
             if ranked:
                 self.known[out] = max(ranked, key=lambda sh: sum(d is not None for d in sh[:2]))
-        elif node.op_type == "Expand" and len(node.input) > 1 and self.g.producer(node.input[1], "Shape") is not None:
-            self.known[out] = self(self.g.producer(node.input[1], "Shape").input[0])  # Expand(v, Shape(x)): x's shape
+        elif shaped is not None:
+            expanded = self(shaped.input[0])  # Expand(v, Shape(x)): x's shape
+            if expanded is not None:
+                self.known[out] = expanded
         elif node.op_type == "ReduceSum" and first is not None and node_attributes(node).get("keepdims", 1):
             self.known[out] = tuple(None for _ in first)  # keeps the rank
         elif node.op_type in ("Conv", "ConvTranspose") and first is not None and len(first) == 4:
@@ -163,6 +166,8 @@ def _rule(g: _Shapes, node: onnx.NodeProto) -> tuple[tuple[int, ...], tuple[int,
         group = attrs.get("group", 1)
         if w is not None and is_pointwise(w, attrs):
             return (0,), (0,)
+        if x is None:
+            return None
         if op == "Conv" and w is not None and len(w) == 4 and w[1] is None:
             w = (w[0], 1, *w[2:]) if x[1] == group else w  # a Conv's weights have C/group input channels
         if w is not None and x[1] is not None and is_depthwise_conv(x[1], w, group):
@@ -271,7 +276,8 @@ def _pointwise_weight_grads(g: Graph, shapes: _Shapes) -> None:
         unsqueeze = g.producer(columns.input[0], "Unsqueeze") if columns else None
         gradient = g.producer(matmul.input[1], "Transpose")
         grads = g.producer(gradient.input[0], "Reshape") if gradient else None
-        if unsqueeze is None or grads is None or node_attributes(gradient).get("perm") != [0, 2, 1] \
+        if columns is None or unsqueeze is None or gradient is None or grads is None \
+                or node_attributes(gradient).get("perm") != [0, 2, 1] \
                 or g.ints(unsqueeze, 1, "axes") != [1] or g.ints(columns, 1, "shape") is None \
                 or (g.ints(columns, 1, "shape") or [0])[0] != 1 or (g.ints(grads, 1, "shape") or [0])[0] != 1:
             continue
@@ -280,7 +286,7 @@ def _pointwise_weight_grads(g: Graph, shapes: _Shapes) -> None:
         dy = _layout_transpose(g, grads.input[0])
         if x is None or dy is None or (sliced is not None and not _whole(g, sliced, shapes(x.removesuffix(SUFFIX)))):
             continue
-        chain = [n for n in (sliced, unsqueeze, columns, grads, gradient, matmul) if n is not None]
+        chain = [unsqueeze, columns, grads, gradient, matmul] if sliced is None else [sliced, unsqueeze, columns, grads, gradient, matmul]
         fused = fused_node("PointwiseWeightGrad", [x, dy], matmul.output, f"layout/{matmul.name or matmul.output[0]}")
         g.replace(chain, fused)
 
@@ -295,7 +301,8 @@ def _depthwise_weight_grads(g: Graph) -> None:
         stack = g.made_by(columns.input[0]) if columns else None
         gradient = g.producer(matmul.input[1], "Transpose")
         grads = g.producer(gradient.input[0], "Reshape") if gradient else None
-        if stack is None or grads is None or stack.domain != DOMAIN or stack.op_type not in ("StackedSlices", "WindowColumns"):
+        if columns is None or stack is None or gradient is None or grads is None or stack.domain != DOMAIN \
+                or stack.op_type not in ("StackedSlices", "WindowColumns"):
             continue
         attrs = node_attributes(stack)
         taps = len(attrs["regions"]) // (4 * attrs["rank"])
@@ -306,10 +313,10 @@ def _depthwise_weight_grads(g: Graph) -> None:
             continue
         chain, pads = [stack, columns, grads, gradient, matmul], [0, 0, 0, 0]
         source = stack.input[0]
+        pad = g.producer(source, "Pad")
         if stack.op_type == "WindowColumns":
             pads = attrs["pads"]  # checked zero padding of the spatial axes, (begins, ends)
-        elif g.producer(source, "Pad") is not None:
-            pad = g.producer(source, "Pad")
+        elif pad is not None:
             padding = _zero_spatial_pads(g, pad)
             if padding is None:
                 continue
@@ -356,9 +363,12 @@ def _region(g: Graph, shapes: _Shapes) -> dict[int, tuple[tuple[int, ...], tuple
     """The nodes to rewrite, with their rules: the seeds, then every node with a channels-last form
     that reads a value the region writes channels last, or writes one the region reads so."""
     rules: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # by id(node): NodeProtos do not hash
-    frontier = [n for n in g.nodes if _is_seed(shapes, n)]
-    for n in frontier:
-        rules[id(n)] = _rule(shapes, n)
+    frontier = []
+    for n in g.nodes:
+        seed = _rule(shapes, n) if _is_seed(shapes, n) else None
+        if seed is not None:
+            rules[id(n)] = seed
+            frontier.append(n)
     while frontier:
         node = frontier.pop()
         ins, outs = rules[id(node)]

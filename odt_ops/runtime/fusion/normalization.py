@@ -115,16 +115,16 @@ def normalization_training_grad(axes: list[int], equation: str, spread: list[int
     mean, total = _reducer("ReduceMean", opset, axes, 1), _reducer("ReduceSum", opset, axes, 0)
     einsum = kernel_of("Einsum", opset, equation=equation)
     sqrt, reciprocal = kernel_of("Sqrt", opset), kernel_of("Reciprocal", opset)
-    spread = tuple(spread)
+    spread_axes = tuple(spread)
     # BatchNormalization's layout, one value per channel: every axis but 1 (X's rank is len(spread) + 1)
-    channel_statistics = spread == (0, *range(2, len(spread) + 1))
+    channel_statistics = spread_axes == (0, *range(2, len(spread_axes) + 1))
 
     def along_channels(ufunc, x, v, out=None, *, kept=False):
         """ufunc(x, Unsqueeze(v, spread)), or ufunc(x, v) for a ``kept`` (keepdims) statistic."""
         if channel_statistics:
             return per_channel(ufunc, x, v, out=out)
         # InstanceNormalization's rule has the same shape, with one value per (n, c) instance
-        return ufunc(x, v if kept else np.expand_dims(v, spread), out=out)
+        return ufunc(x, v if kept else np.expand_dims(v, spread_axes), out=out)
 
     def run(X, dY, scale, count, eps):
         if dY.shape != X.shape or dY.dtype != X.dtype:
