@@ -29,3 +29,80 @@ def per_channel(ufunc: np.ufunc, x: np.ndarray, values: np.ndarray, out: np.ndar
     image[...] = v[:, None]
     flat_out = None if out is None else out.reshape(n, c * spatial)
     return ufunc(x.reshape(n, c * spatial), image.reshape(1, c * spatial), out=flat_out).reshape(x.shape)
+
+
+# ---------------------------------------------------------------- channels last: (rows, C)
+#
+# The channels-last training graph (runtime/fusion/layout.py) holds an (N, H, W, C) tensor as
+# (N*H*W, C) rows. Its per-channel sums are then one gemv down the rows (a ones vector times
+# the matrix), and its per-channel products whole-array broadcasts along the rows; the
+# (N, C, rest) kernels' einsum over a trailing axis of length 1 ran 10x slower on them.
+
+
+_ROW_BLOCK = 4096  # elements a per-channel operand is spelled out to: numpy's inner loops run this long
+
+
+def _column_sums(rows: np.ndarray) -> np.ndarray:
+    return np.ones(rows.shape[0], dtype=rows.dtype) @ rows
+
+
+def along_rows(ufunc: np.ufunc, x: np.ndarray, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``ufunc(x, values)`` for contiguous (rows, C) ``x`` and C ``values``. Broadcast one row at a
+    time, numpy's inner loop is C long (a subtraction over 16 channels ran 4x slower than a whole
+    multiply); here the values are spelled out over k rows and x read as (rows / k, k * C): the
+    same operation on the same operands, element by element, so the same bits."""
+    r, c = x.shape
+    most = max(1, _ROW_BLOCK // max(c, 1))
+    # a divisor of the rows up to ``most``: the rows are images x pixels, mostly with powers of two in them
+    k = max(math.gcd(r, most), math.gcd(r, 1 << (most.bit_length() - 1)))
+    if k == 1 or not x.flags.c_contiguous or (out is not None and not out.flags.c_contiguous):
+        return ufunc(x, values, out=out)
+    wide = (r // k, k * c)
+    result = ufunc(x.reshape(wide), np.tile(values.astype(x.dtype, copy=False), k), out=None if out is None else out.reshape(wide))
+    return result.reshape(r, c)
+
+
+def batch_norm_rows(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                    epsilon: float, momentum: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Training-mode BatchNormalization of (rows, C) float rows: (Y, running mean, running var),
+    the statistics as the ONNX operator defines them (population variance of the batch)."""
+    count = x.dtype.type(1 / max(x.shape[0], 1))
+    batch_mean = _column_sums(x) * count
+    d = along_rows(np.subtract, x, batch_mean)
+    square = np.multiply(d, d)
+    batch_var = _column_sums(square) * count
+    inv_std = np.reciprocal(np.sqrt(batch_var + x.dtype.type(epsilon)))
+    y = along_rows(np.multiply, d, inv_std * scale.astype(x.dtype, copy=False), out=d)
+    along_rows(np.add, y, bias, out=y)
+    stat = mean.dtype
+    m, one_minus = stat.type(momentum), stat.type(1.0 - momentum)
+    return (y, mean * m + batch_mean.astype(stat, copy=False) * one_minus,
+            var * m + batch_var.astype(stat, copy=False) * one_minus)
+
+
+def batch_norm_inference_rows(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                              epsilon: float) -> np.ndarray:
+    """Inference-mode BatchNormalization of (rows, C) float rows, the affine folded as the
+    channels-first kernel folds it (kernels/nn.py): the same operations on the same operands."""
+    ct = x.dtype
+    a = scale.astype(ct, copy=False).ravel() / np.sqrt(var.astype(ct, copy=False).ravel() + ct.type(epsilon))
+    y = along_rows(np.multiply, x, a)
+    return along_rows(np.add, y, bias.astype(ct, copy=False).ravel() - mean.astype(ct, copy=False).ravel() * a, out=y)
+
+
+def batch_norm_grad_rows(x: np.ndarray, dy: np.ndarray, scale: np.ndarray, count, epsilon) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The training-mode BatchNormalization gradient (grad/rules/nn.py's rule, as the fused
+    NormalizationTrainingGrad computes it) of (rows, C) rows: (dX, d scale, d bias). ``count``
+    is 1 / rows, ``epsilon`` the forward's."""
+    c = along_rows(np.subtract, x, _column_sums(x) * x.dtype.type(1 / max(x.shape[0], 1)))
+    work = np.multiply(c, c)
+    inv = np.reciprocal(np.sqrt(np.add(np.multiply(_column_sums(work), count), epsilon)))
+    sum_dy = _column_sums(dy)
+    dscale = np.multiply(_column_sums(np.multiply(dy, c, out=work)), inv)
+    a = np.multiply(scale, inv)
+    tilt = np.multiply(np.multiply(a, np.multiply(inv, dscale)), count)
+    shift = np.multiply(np.multiply(a, sum_dy), count)
+    correction = along_rows(np.multiply, c, tilt, out=c)
+    along_rows(np.add, correction, shift, out=correction)
+    out = along_rows(np.multiply, dy, a, out=work)
+    return np.subtract(out, correction, out=out), dscale, sum_dy

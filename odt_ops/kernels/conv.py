@@ -32,7 +32,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from odt_ops.kernels.channels import per_channel
-from odt_ops.kernels.geometry import WindowGeometry, per_axis, transpose_pads, window_geometry
+from odt_ops.kernels.geometry import ShapeOnly, WindowGeometry, per_axis, transpose_pads, window_geometry
 from odt_ops.kernels.registry import kernel
 from odt_ops.kernels.windows import (
     batch_steps,
@@ -56,7 +56,7 @@ from odt_ops.kernels.windows import (
 
 def _conv_geometry(X: np.ndarray, W: np.ndarray, kernel_shape, group: int, **window) -> WindowGeometry:
     check_spatial_input(X, "Conv")
-    if W.ndim != X.ndim:
+    if W.ndim != len(X.shape):  # X may be a ShapeOnly
         raise ValueError(f"Conv weights of shape {W.shape} do not match the rank of input {X.shape}")
     if group < 1 or X.shape[1] % group or W.shape[0] % group:
         raise ValueError(f"group {group} must divide the input channels {X.shape[1]} and output channels {W.shape[0]}")
@@ -191,32 +191,76 @@ def _channels_first(Y: np.ndarray) -> np.ndarray:
 
 
 def _conv_depthwise(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, geo: WindowGeometry, group: int) -> np.ndarray:
-    """One input channel per group: accumulate weight * shifted input over kernel offsets.
+    """``depthwise_channels_last`` on an (N, C, *spatial) input, as a contiguous (N, M, positions)."""
+    N, M = X.shape[0], W.shape[0]
+    Y = _channels_first(depthwise_channels_last(_channels_last(X), W, geo, group)).reshape(N, M, -1)
+    if B is not None:
+        _add_bias(Y, B)
+    return Y
+
+
+def depthwise_channels_last(Xl: np.ndarray, W: np.ndarray, geo: WindowGeometry, group: int) -> np.ndarray:
+    """One input channel per group, channels last in and out: (N, *spatial, C) -> (N, *out, M), no bias.
+    Accumulates weight * shifted input over kernel offsets.
 
     Channels last: every tap is then a strided view whose innermost run is all the channels
     (at stride 1, whole rows of them), multiplied by a per-channel weight vector along that
     run, so numpy's inner loops are long and vectorized. Channels first, the same taps were
     short spatial rows times a broadcast scalar, 1.5-3x slower. A channel multiplier (M/group
-    outputs per input channel) repeats the input channels first."""
-    N, M = X.shape[0], W.shape[0]
+    outputs per input channel) repeats the input channels first. The channels-last training
+    graph (runtime/fusion/layout.py) calls this directly; ``conv`` transposes around it."""
+    N, M = Xl.shape[0], W.shape[0]
     if group != M:
-        X = np.repeat(X, M // group, axis=1)
-    padded = np.zeros((N, *geo.reach, M), dtype=X.dtype)
-    pad_into(np.moveaxis(padded, -1, 1), X, geo)  # through a channels-first view of the canvas
+        Xl = np.repeat(Xl, M // group, axis=-1)
+    padded = np.zeros((N, *geo.reach, M), dtype=Xl.dtype)
+    pad_into(np.moveaxis(padded, -1, 1), np.moveaxis(Xl, -1, 1), geo)  # through channels-first views
     # (taps, last output axis, M), contiguous: with the weights spelled out along the last spatial
     # axis too, a stride-1 tap, the weights and Y all hold (last axis, M) as one contiguous run,
     # which numpy's iterator fuses into one inner loop however few the channels
     weights = np.ascontiguousarray(np.broadcast_to(W.reshape(M, -1).T[:, None, :], (W[0].size, geo.out[-1], M)))
-    Y = np.empty((N, *geo.out, M), dtype=np.result_type(X, W))
+    Y = np.empty((N, *geo.out, M), dtype=np.result_type(Xl, W))
     term = np.empty_like(Y)
     for i, tap in enumerate(offset_slices(padded, geo)):
         np.multiply(tap, weights[i], out=Y if i == 0 else term)
         if i:
             Y += term
-    Y = _channels_first(Y).reshape(N, M, -1)
-    if B is not None:
-        _add_bias(Y, B)
     return Y
+
+
+def _nchw(shape: Sequence[int]) -> ShapeOnly:
+    """An (N, *spatial, C) shape as the (N, C, *spatial) one the geometry helpers read."""
+    return ShapeOnly((shape[0], shape[-1], *shape[1:-1]))
+
+
+def _pointwise(W: np.ndarray, geo: WindowGeometry, group: int, spatial: Sequence[int]) -> bool:
+    return group == 1 and math.prod(geo.kernel) == 1 and all(s == 1 for s in geo.strides) and not any(geo.begin) \
+        and tuple(geo.out) == tuple(spatial)
+
+
+def is_depthwise_conv(channels: int, weight_shape: Sequence[int], group: int) -> bool:
+    """Whether ``conv`` runs a Conv over ``channels`` inputs with these weights and group as
+    ``depthwise_channels_last`` (one input channel per group)."""
+    return group > 1 and group == channels and len(weight_shape) > 2 and weight_shape[1] == 1
+
+
+def conv_channels_last(Xl, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
+    """``conv`` of a depthwise or 1x1 convolution on and to channels-last arrays. Depthwise: the same
+    products and sums in the same order (the bias added per element as ``conv`` adds it), so the
+    same bits; 1x1: one matrix product, the same sums in BLAS's order."""
+    geo = _conv_geometry(_nchw(Xl.shape), W, kernel_shape, group, strides=strides, dilations=dilations, pads=pads,
+                         auto_pad=auto_pad)
+    Xc, Wc, Bc = wide(Xl, W, B)
+    if _pointwise(W, geo, group, Xl.shape[1:-1]):
+        # a matrix product per pixel: (pixels, C) @ (C, M), the same dot products as the channels-first
+        # GEMM summed in BLAS's order for this shape (rounding only)
+        Y = (Xc.reshape(-1, Xc.shape[-1]) @ Wc.reshape(Wc.shape[0], -1).T).reshape(*Xl.shape[:-1], Wc.shape[0])
+    elif is_depthwise_conv(Xl.shape[-1], W.shape, group):
+        Y = depthwise_channels_last(Xc, Wc, geo, group)
+    else:
+        raise ValueError(f"the channels-last Conv runs depthwise and 1x1 convolutions only, not weights {W.shape} in group {group}")
+    if Bc is not None:
+        np.add(Y, Bc.astype(Y.dtype, copy=False), out=Y)
+    return (Y.astype(Xl.dtype, copy=False),)
 
 
 @kernel("Conv", since=1)
@@ -332,16 +376,22 @@ def _col2im(X: np.ndarray, W: np.ndarray, group: int, strides, dilations, first:
 
 def _transpose_depthwise(X: np.ndarray, W: np.ndarray, group: int, strides, dilations, first: Sequence[int],
                          out: Sequence[int]) -> np.ndarray:
-    """``_col2im`` for one channel in and out per group (a depthwise convolution's input gradient).
+    """``transpose_depthwise_channels_last`` on an (N, C, *spatial) input, to (N, C, *out)."""
+    return _channels_first(transpose_depthwise_channels_last(_channels_last(X), W, strides, dilations, first, out))
+
+
+def transpose_depthwise_channels_last(Xl: np.ndarray, W: np.ndarray, strides, dilations, first: Sequence[int],
+                                      out: Sequence[int]) -> np.ndarray:
+    """``_col2im`` for one channel in and out per group (a depthwise convolution's input gradient),
+    channels last in and out: (N, *spatial, C) -> (N, *out, C), no bias.
 
     Tap k of input position h lands on output position h*s + k*d - first (per axis). Each tap
     adds weight * X over the input positions that land inside the output: one strided
-    multiply-add per tap, channels last as in ``_conv_depthwise``. No GEMM (per channel and
+    multiply-add per tap, channels last as in ``depthwise_channels_last``. No GEMM (per channel and
     image a 1 x 1 GEMM is all overhead) and no column buffer."""
-    N, C, *spatial = X.shape
+    N, *spatial, C = Xl.shape
     kernel = W.shape[2:]
-    dtype = np.result_type(X, W)
-    Xl = _channels_last(X)
+    dtype = np.result_type(Xl, W)
     Y = np.zeros((N, *out, C), dtype=dtype)
     weights = np.ascontiguousarray(W.reshape(C, -1).T)  # (taps, C)
     term = np.empty(Xl.shape, dtype=dtype)
@@ -359,16 +409,15 @@ def _transpose_depthwise(X: np.ndarray, W: np.ndarray, group: int, strides, dila
             part = term[(slice(None), *(slice(sl.stop - sl.start) for sl in src))]
             np.multiply(Xl[(slice(None), *src)], weights[t], out=part)
             Y[(slice(None), *dst)] += part
-    return _channels_first(Y)
+    return Y
 
 
-@kernel("ConvTranspose", since=1)
-def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
-                   output_padding=None, output_shape=None, pads=None, strides=None):
+def _transpose_geometry(X, W, *, auto_pad, dilations, group, kernel_shape, output_padding, output_shape, pads, strides):
+    """(strides, dilations, first output coordinate, output sizes) of a ConvTranspose; X may be a ShapeOnly."""
     check_spatial_input(X, "ConvTranspose")
-    C, rank = X.shape[1], X.ndim - 2
-    if W.ndim != X.ndim or W.shape[0] != C:
-        raise ValueError(f"ConvTranspose weights {W.shape} must be (C={C}, M/group, kernel...) of rank {X.ndim}")
+    C, rank = X.shape[1], len(X.shape) - 2
+    if W.ndim != len(X.shape) or W.shape[0] != C:
+        raise ValueError(f"ConvTranspose weights {W.shape} must be (C={C}, M/group, kernel...) of rank {len(X.shape)}")
     if group < 1 or C % group:
         raise ValueError(f"group {group} must divide the input channels {C}")
     check_kernel_shape(kernel_shape, W)
@@ -377,9 +426,37 @@ def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, 
     dilations = per_axis("dilations", dilations, rank, 1, minimum=1)
     begin, out = transpose_pads(X, kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad,
                                  output_padding=output_padding, output_shape=output_shape)
+    return strides, dilations, begin, out
+
+
+@kernel("ConvTranspose", since=1)
+def conv_transpose(X, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
+                   output_padding=None, output_shape=None, pads=None, strides=None):
+    strides, dilations, begin, out = _transpose_geometry(
+        X, W, auto_pad=auto_pad, dilations=dilations, group=group, kernel_shape=kernel_shape,
+        output_padding=output_padding, output_shape=output_shape, pads=pads, strides=strides)
     Xc, Wc, Bc = wide(X, W, B)
-    depthwise = group == C and W.shape[1] == 1
+    depthwise = group == X.shape[1] and W.shape[1] == 1
     Y = (_transpose_depthwise if depthwise else _col2im)(Xc, Wc, group, strides, dilations, begin, out)
     if Bc is not None:
         _add_bias(Y, Bc)
     return (Y.astype(X.dtype, copy=False),)
+
+
+def conv_transpose_channels_last(Xl, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
+                                 output_padding=None, output_shape=None, pads=None, strides=None):
+    """``conv_transpose`` of a depthwise (the same bits) or 1x1 (one matrix product) transposed
+    convolution on and to channels-last arrays."""
+    strides, dilations, begin, out = _transpose_geometry(
+        _nchw(Xl.shape), W, auto_pad=auto_pad, dilations=dilations, group=group, kernel_shape=kernel_shape,
+        output_padding=output_padding, output_shape=output_shape, pads=pads, strides=strides)
+    Xc, Wc, Bc = wide(Xl, W, B)
+    if group == 1 and W.shape[2:] == (1, 1) and all(s == 1 for s in strides) and not any(begin) and tuple(out) == Xl.shape[1:-1]:
+        Y = (Xc.reshape(-1, Xc.shape[-1]) @ Wc.reshape(Wc.shape[0], -1)).reshape(*Xl.shape[:-1], Wc.shape[1])
+    elif group == Xl.shape[-1] and W.shape[1] == 1:
+        Y = transpose_depthwise_channels_last(Xc, Wc, strides, dilations, begin, out)
+    else:
+        raise ValueError(f"the channels-last ConvTranspose runs depthwise and 1x1 ones only, not weights {W.shape} in group {group}")
+    if Bc is not None:
+        np.add(Y, Bc.astype(Y.dtype, copy=False), out=Y)
+    return (Y.astype(Xl.dtype, copy=False),)

@@ -129,7 +129,7 @@ def wide(*arrays: np.ndarray) -> list[np.ndarray]:
 
 
 def check_spatial_input(X: np.ndarray, op: str) -> None:
-    if X.ndim < 3:
+    if len(X.shape) < 3:  # X may be a geometry.ShapeOnly
         raise ValueError(f"{op} needs an (N, C, spatial...) input of rank >= 3, got shape {X.shape}")
 
 

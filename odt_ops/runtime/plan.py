@@ -128,7 +128,8 @@ class Plan:
         if fuse:
             keep = set(self.output_names) | set(self._checks) | {n for node in nodes for n in implicit_inputs(node)}
             only = None if fuse is True else set(fuse)
-            nodes = topological_order(fusion.fuse(nodes, self._constants, keep, only), available)
+            shapes = functools.partial(fusion.value_shapes, graph, opsets)  # inferred only if a pass asks
+            nodes = topological_order(fusion.fuse(nodes, self._constants, keep, only, shapes), available)
         return nodes
 
     def _bound_steps(self, nodes: list[onnx.NodeProto], opsets: Mapping[str, int], rng) -> list[tuple]:

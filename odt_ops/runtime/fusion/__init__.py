@@ -12,8 +12,19 @@ A pass only removes a value that nothing else reads and that the caller does not
 (graph outputs, checked values), and only rewrites what it can prove equal from the
 node attributes and constants; anything else is left for the node-by-node path.
 """
-from odt_ops.runtime.fusion import activations, loss, normalization, recurrent, reductions, scatter, sizes, windows  # noqa: F401  (registers)
+from odt_ops.runtime.fusion import (  # noqa: F401  (registers)
+    activations,
+    layout,
+    loss,
+    normalization,
+    recurrent,
+    reductions,
+    scatter,
+    sizes,
+    windows,
+)
 from odt_ops.runtime.fusion.graph import DOMAIN, FUSIONS, STANDARD, Graph, bind, fuse, fused_op, fusion, run_in_order
+from odt_ops.runtime.fusion.layout import value_shapes
 
 # The order the passes run in, stated here rather than left to the order of the imports above:
 # a pass matches the nodes the earlier passes left, so a reordering changes what fuses (the
@@ -31,7 +42,8 @@ ORDER = (
     "normalization_grad",
     "lstm_cell",  # after activation_grad: an LSTM step's gradient is matched with its SigmoidGrad and TanhGrad nodes
     "gru_cell",  # likewise
+    "channels_last",  # last: it reads the fused normalization gradients
 )
 run_in_order(ORDER)
 
-__all__ = ["DOMAIN", "FUSIONS", "ORDER", "STANDARD", "Graph", "bind", "fuse", "fused_op", "fusion"]
+__all__ = ["DOMAIN", "FUSIONS", "ORDER", "STANDARD", "Graph", "bind", "fuse", "fused_op", "fusion", "value_shapes"]

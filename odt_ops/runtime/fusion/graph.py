@@ -52,12 +52,13 @@ def bind(node: onnx.NodeProto, opset: int) -> Callable[..., tuple]:
 
 
 def fuse(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: Iterable[str],
-         only: Iterable[str] | None = None) -> list[onnx.NodeProto]:
-    """The nodes with every fusion (or those named in ``only``) applied; ``keep`` must survive."""
+         only: Iterable[str] | None = None, shapes: Callable[[], Mapping[str, tuple]] | None = None) -> list[onnx.NodeProto]:
+    """The nodes with every fusion (or those named in ``only``) applied; ``keep`` must survive.
+    ``shapes`` gives the values' shapes (None for an unknown dimension) when a pass first asks."""
     unknown = set(only or ()) - set(FUSIONS)
     if unknown:
         raise ArgumentError(f"fuse(only=...): unknown fusion(s) {sorted(unknown)}; the fusions are {list(FUSIONS)}")
-    graph = Graph(nodes, constants, set(keep))
+    graph = Graph(nodes, constants, set(keep), shapes)
     for name, run in FUSIONS.items():
         if only is None or name in only:
             run(graph)
@@ -67,10 +68,29 @@ def fuse(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], k
 class Graph:
     """The node list a fusion rewrites, with producer/consumer lookups and its constants."""
 
-    def __init__(self, nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: set[str]):
+    def __init__(self, nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray], keep: set[str],
+                 shapes: Callable[[], Mapping[str, tuple]] | None = None):
         self.nodes = list(nodes)
         self.constants = constants
         self.keep = keep
+        self._find_shapes = shapes
+        self._shapes: Mapping[str, tuple] | None = None
+        self._index()
+
+    def shape(self, name: str) -> tuple | None:
+        """The value's shape (None for an unknown dimension), or None when it is not known; the
+        shapes are worked out on the first call."""
+        if self._shapes is None:
+            self._shapes = self._find_shapes() if self._find_shapes is not None else {}
+        return self._shapes.get(name)
+
+    def made_by(self, name: str) -> onnx.NodeProto | None:
+        """The node producing ``name``, whatever its op."""
+        return self._producer.get(name)
+
+    def rewrite(self, nodes: Sequence[onnx.NodeProto]) -> None:
+        """Replace the whole node list (a pass that rewrites many nodes at once; the plan sorts again)."""
+        self.nodes = list(nodes)
         self._index()
 
     def _index(self) -> None:

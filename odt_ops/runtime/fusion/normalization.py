@@ -105,19 +105,26 @@ def _reducer(op_type: str, opset: int, axes: list[int], keepdims: int) -> Callab
 
 @fused_op("NormalizationTrainingGrad")
 def _normalization_training_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
-    mean, total = _reducer("ReduceMean", opset, attrs["axes"], 1), _reducer("ReduceSum", opset, attrs["axes"], 0)
-    einsum = kernel_of("Einsum", opset, equation=attrs["equation"])
+    return normalization_training_grad(attrs["axes"], attrs["equation"], attrs["spread"], opset)
+
+
+def normalization_training_grad(axes: list[int], equation: str, spread: list[int], opset: int) -> Callable[..., tuple]:
+    """The fused gradient's kernel: statistics over ``axes``, ``equation`` the rule's Einsum, the
+    per-channel values unsqueezed at ``spread``. The channels-last graph (layout.py) runs it on
+    (N*H*W, C) rows: axes [0], spread [0]."""
+    mean, total = _reducer("ReduceMean", opset, axes, 1), _reducer("ReduceSum", opset, axes, 0)
+    einsum = kernel_of("Einsum", opset, equation=equation)
     sqrt, reciprocal = kernel_of("Sqrt", opset), kernel_of("Reciprocal", opset)
-    spread = tuple(attrs["spread"])
+    spread_axes = tuple(spread)
     # BatchNormalization's layout, one value per channel: every axis but 1 (X's rank is len(spread) + 1)
-    channel_statistics = spread == (0, *range(2, len(spread) + 1))
+    channel_statistics = spread_axes == (0, *range(2, len(spread_axes) + 1))
 
     def along_channels(ufunc, x, v, out=None, *, kept=False):
         """ufunc(x, Unsqueeze(v, spread)), or ufunc(x, v) for a ``kept`` (keepdims) statistic."""
         if channel_statistics:
             return per_channel(ufunc, x, v, out=out)
         # InstanceNormalization's rule has the same shape, with one value per (n, c) instance
-        return ufunc(x, v if kept else np.expand_dims(v, spread), out=out)
+        return ufunc(x, v if kept else np.expand_dims(v, spread_axes), out=out)
 
     def run(X, dY, scale, count, eps):
         if dY.shape != X.shape or dY.dtype != X.dtype:

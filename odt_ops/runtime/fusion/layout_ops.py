@@ -1,0 +1,144 @@
+"""The channels-last graph's kernels (layout.py decides where they run): the two conversions,
+the ``ChannelsLast`` node that runs an op on (N, H, W, C) arrays, and the 1x1 weight gradient."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+
+from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows
+from odt_ops.kernels.conv import conv_channels_last, conv_transpose_channels_last
+from odt_ops.runtime.fusion.graph import DOMAIN, bind, fused_op, kernel_entry
+from odt_ops.runtime.fusion.normalization import normalization_training_grad
+
+TO_LAST, TO_FIRST, CHANNELS_LAST = "ToChannelsLast", "ToChannelsFirst", "ChannelsLast"
+TO_LAST_PERM, TO_FIRST_PERM = (0, 2, 3, 1), (0, 3, 1, 2)
+_TO_LAST_AXIS = (0, 3, 1, 2)  # where axis a of the channels-first value lies in the channels-last one
+FUSED_ELEMENTWISE = frozenset({"SigmoidGrad", "TanhGrad"})  # fusion/activations.py's, in the engine's domain
+
+
+@fused_op(TO_LAST)
+def _to_last(attrs: dict, opset: int) -> Callable[..., tuple]:
+    return lambda x: (np.ascontiguousarray(x.transpose(TO_LAST_PERM)),)
+
+
+@fused_op(TO_FIRST)
+def _to_first(attrs: dict, opset: int) -> Callable[..., tuple]:
+    return lambda x: (np.ascontiguousarray(x.transpose(TO_FIRST_PERM)),)
+
+
+def _per_channel_rows(fn: Callable[..., tuple], images: int) -> Callable[..., tuple]:
+    """``fn`` of a per-channel op on its first ``images`` inputs as (N*H*W, C) rows: the
+    op's (N, C, rest) layout with rest = 1, so the same per-channel statistics."""
+    def run(*args):
+        shape = args[0].shape
+        rows = [a.reshape(-1, shape[-1]) for a in args[:images]]
+        out = fn(*rows, *args[images:])
+        return (out[0].reshape(shape), *out[1:])
+    return run
+
+
+def _global_average_pool(x: np.ndarray) -> tuple:
+    """(N, H, W, C) -> the (N, C, 1, 1) mean, summed down the rows of each image."""
+    n, c = x.shape[0], x.shape[-1]
+    rows = x.reshape(n, -1, c)
+    if x.dtype not in (np.float32, np.float64):
+        return (rows.mean(axis=1).reshape(n, c, 1, 1),)
+    total = np.add.reduce(rows, axis=1)
+    total *= x.dtype.type(1 / rows.shape[1])
+    return (total.reshape(n, c, 1, 1),)
+
+
+def _own_kernels(op: str, attrs: dict, opset: int, outputs: int) -> Callable[..., tuple] | None:
+    if op == "Conv":
+        return functools.partial(conv_channels_last, **attrs)
+    if op == "ConvTranspose":
+        return functools.partial(conv_transpose_channels_last, **attrs)
+    if op == "ReduceSum":
+        reduce_sum = kernel_entry("ReduceSum", opset).fn
+        return lambda x, axes: reduce_sum(x, np.asarray([_TO_LAST_AXIS[a % 4] for a in np.atleast_1d(axes)], dtype=np.int64), keepdims=1)
+    if op == "GlobalAveragePool":
+        return _global_average_pool
+    if op == "Shape":
+        return lambda x: (np.array([x.shape[i] for i in TO_FIRST_PERM], dtype=np.int64),)
+    if op == "Transpose":
+        perm = [TO_FIRST_PERM[p] for p in attrs["perm"]]  # axis p of the channels-first value
+        return lambda x: (np.transpose(x, perm),)
+    if op == "Expand":
+        expand = kernel_entry("Expand", opset).fn
+        return lambda x, shape: expand(x, np.asarray(shape)[list(TO_LAST_PERM)])
+    if op == "NormalizationTrainingGrad":
+        general = normalization_training_grad([0], "ac,ac->c", [0], opset)
+        return _per_channel_rows(lambda x, dy, *rest: (batch_norm_grad_rows if _fast(x, dy) else general)(x, dy, *rest), 2)
+    if op == "BatchNormalization" and opset >= 14:
+        entry = kernel_entry(op, opset)
+        general = functools.partial(entry.fn, **attrs, _num_outputs=outputs)
+        eps, momentum, training = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9), attrs.get("training_mode", 0)
+
+        def batch_norm(x, *params):
+            if not _fast(x, *params):
+                return general(x, *params)
+            if training:
+                return batch_norm_rows(x, *params, eps, momentum)
+            return (batch_norm_inference_rows(x, *params, eps),)
+        return _per_channel_rows(batch_norm, 1)
+    return None
+
+
+def _fast(*arrays: np.ndarray) -> bool:
+    """Whether the (rows, C) kernels apply: float32 or float64 throughout (others widen as the ONNX kernels do)."""
+    return all(a.dtype == arrays[0].dtype for a in arrays) and arrays[0].dtype in (np.float32, np.float64)
+
+
+@fused_op(CHANNELS_LAST)
+def _channels_last_op(attrs: dict, opset: int) -> Callable[..., tuple]:
+    op, outputs = attrs.pop("layout_op"), attrs.pop("layout_outputs")
+    own = _own_kernels(op, attrs, opset, outputs)
+    if own is not None:
+        return own
+    if op in FUSED_ELEMENTWISE:
+        return bind(onnx.helper.make_node(op, [], [], domain=DOMAIN), opset)
+    entry = kernel_entry(op, opset)
+    if "_num_outputs" in entry.engine_keywords:
+        attrs["_num_outputs"] = outputs
+    fn = functools.partial(entry.fn, **attrs)
+    return _per_channel_rows(fn, 1) if op == "BatchNormalization" else fn
+
+
+@fused_op("PointwiseWeightGrad")
+def _pointwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
+    def run(x, dy):
+        rows, columns = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        return (np.matmul(rows.T, columns)[None],)  # (1, C, M): the rule's group axis of one
+    return run
+
+
+@fused_op("DepthwiseWeightGrad")
+def _depthwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
+    """(C, taps, 1): per tap, the sum over the batch and the output positions of dY times the tap's
+    view of the zero-padded X, both (N, H, W, C). ``regions``: per tap and spatial axis (axis of the
+    (C, N, H, W) value, start, end, step) on the padded input; ``pads``: (begin H, W, end H, W)."""
+    flat, (top, left, bottom, right) = attrs["regions"], attrs["pads"]
+    regions = [[tuple(flat[i + 4 * j: i + 4 * j + 4]) for j in range(2)] for i in range(0, len(flat), 8)]
+
+    def run(x, dy):
+        n, h, w, c = x.shape
+        padded = np.zeros((n, h + top + bottom, w + left + right, c), dtype=x.dtype)
+        padded[:, top:top + h, left:left + w] = x
+        sums = np.ones(dy.size // c, dtype=dy.dtype)
+        product = np.empty(dy.shape, dtype=np.result_type(x, dy))
+        out = np.empty((c, len(regions), 1), dtype=product.dtype)
+        for t, region in enumerate(regions):
+            index = [slice(None)] * 4
+            for axis, start, end, step in region:
+                index[axis - 1] = slice(start, end, step)  # (C, N, H, W) axis 2, 3 -> (N, H, W, C) axis 1, 2
+            tap = padded[tuple(index)]
+            if tap.shape != dy.shape:
+                raise ValueError(f"a window tap {tap.shape} does not match the output gradient {dy.shape}")
+            np.multiply(tap, dy, out=product)
+            out[:, t, 0] = sums @ product.reshape(-1, c)
+        return (out,)
+
+    return run

@@ -1,0 +1,185 @@
+"""The channels-last training graph (runtime/fusion/layout.py): the benchmark's depthwise CNNs'
+training plans with the layout pass against the graph as written (loss, every gradient, the
+updated BatchNormalization statistics), against onnxruntime running the same artifact graph,
+and the channels-last kernels against PyTorch and the channels-first kernels."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from odt_ops import meta
+from odt_ops.api import CheckpointState
+from odt_ops.kernels import conv as conv_kernels
+from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows
+from odt_ops.kernels.nn import batch_normalization
+from odt_ops.runtime.fusion import DOMAIN
+from odt_ops.runtime.fusion.layout import SUFFIX
+from odt_ops.runtime.plan import Plan
+
+torch = pytest.importorskip("torch", reason="PyTorch defines the benchmark's CNNs and is the kernels' oracle")
+
+# The two plans sum the batch statistics in another order: the values agree to float32 rounding of
+# the sums. Values that are zero in exact arithmetic (the bias gradient of a BatchNorm whose output
+# only feeds another BatchNorm, a running mean of normalized values) are that rounding alone, ~1e-8.
+RTOL, ATOL = 2e-4, 1e-6
+
+
+def _artifacts(name: str, directory) -> tuple[onnx.ModelProto, list[str], list[str], list[np.ndarray]]:
+    from odt_ops.benchmark import configs as cfgs
+    from odt_ops.benchmark.driver import odt_artifacts
+
+    config = cfgs.CONFIGS[name]
+    model = cfgs.forward_model(config)
+    forward = directory / "forward.onnx"
+    onnx.save(model, forward)
+    out = directory / "odt"
+    odt_artifacts(config, forward, out, cfgs.trainable(config, model))
+    proto = onnx.load(out / "training_model.onnx")
+    info = meta.read(proto)
+    inputs = [*info.user_inputs, *info.labels, *info.parameters, *info.buffers]
+    outputs = [info.loss, *(info.gradients[p] for p in info.trainable if p in info.gradients), *info.buffer_updates.values()]
+    ckpt = CheckpointState.load_checkpoint(out / "checkpoint").checkpoint
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, *config.input_shape)).astype(np.float32)
+    y = rng.integers(0, config.classes, 4).astype(np.int64)
+    feeds = [x, y, *(np.asarray(ckpt.parameters[p]) for p in info.parameters), *(np.asarray(ckpt.buffers[b]) for b in info.buffers)]
+    return proto, inputs, outputs, feeds
+
+
+def _plan(proto, inputs, outputs, fuse) -> Plan:
+    constants = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    opsets = {o.domain: o.version for o in proto.opset_import}
+    return Plan(proto.graph, opsets, constants, inputs, outputs, fuse=fuse)
+
+
+def _layout_ops(plan: Plan) -> Counter:
+    return Counter(next(onnx.helper.get_attribute_value(a) for a in s.node.attribute if a.name == "layout_op").decode()
+                   if s.node.op_type == "ChannelsLast" else s.node.op_type
+                   for s in plan.steps if s.node.domain == DOMAIN)
+
+
+@pytest.mark.parametrize("name", ["mobilenetv3-adamw", "efficientnet-adamw"])
+def test_channels_last_plan_trains_as_the_graph_as_written(tmp_path, name):
+    proto, inputs, outputs, feeds = _artifacts(name, tmp_path)
+    nhwc = _plan(proto, inputs, outputs, fuse=True)
+    plain = _plan(proto, inputs, outputs, fuse=False)
+    ops = _layout_ops(nhwc)
+    graph_ops = Counter(n.op_type for n in proto.graph.node)
+    # every BatchNormalization and every depthwise and 1x1 convolution but the stem runs channels last
+    assert ops["BatchNormalization"] == graph_ops["BatchNormalization"]
+    assert ops["Conv"] >= graph_ops["Conv"] - 1 - ops["ToChannelsLast"]
+    assert not any(s.node.domain != DOMAIN and s.node.op_type == "BatchNormalization" for s in nhwc.steps)
+    # converted only at the edges: the stem's output, the squeeze-excite's (N, C, 1, 1) values, the head
+    assert ops["ToChannelsFirst"] + ops["ToChannelsLast"] < graph_ops["Conv"]
+    assert ops["PointwiseWeightGrad"] > 0  # 1x1 weight gradients as one product of the channels-last matrices
+    assert ops["DepthwiseWeightGrad"] > 0  # depthwise ones as a multiply and a column sum per kernel tap
+    got, want = nhwc.run(feeds), plain.run(feeds)
+    for g, w, name_ in zip(got, want, outputs):
+        assert not name_.endswith(SUFFIX)
+        assert g.shape == w.shape and g.dtype == w.dtype, name_
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=name_)
+
+    # the eval model (BatchNormalization in inference mode) too
+    eval_proto = onnx.load(tmp_path / "odt" / "eval_model.onnx")
+    by_name = dict(zip(inputs, feeds))
+    eval_inputs = [i.name for i in eval_proto.graph.input]
+    eval_outputs = [o.name for o in eval_proto.graph.output]
+    eval_feeds = [by_name[n] for n in eval_inputs]
+    eval_nhwc = _plan(eval_proto, eval_inputs, eval_outputs, fuse=True)
+    assert _layout_ops(eval_nhwc)["BatchNormalization"] == graph_ops["BatchNormalization"]
+    for g, w in zip(eval_nhwc.run(eval_feeds), _plan(eval_proto, eval_inputs, eval_outputs, fuse=False).run(eval_feeds)):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the spec oracle running the artifact graph")
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    given = {i.name for i in session.get_inputs()}
+    reference = session.run(outputs, {n: v for n, v in zip(inputs, feeds) if n in given})
+    for g, r, name_ in zip(got, reference, outputs):
+        np.testing.assert_allclose(g, r, rtol=1e-3, atol=1e-5, err_msg=name_)
+
+
+def test_a_cnn_without_depthwise_convolutions_is_left_channels_first(tmp_path):
+    proto, inputs, outputs, feeds = _artifacts("cnn-adamw", tmp_path)
+    plan = _plan(proto, inputs, outputs, fuse=True)
+    assert not {"ChannelsLast", "ToChannelsFirst", "ToChannelsLast"} & set(_layout_ops(plan))
+
+
+def _last(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("strides, pads, dilations, multiplier", [
+    ([1, 1], [1, 1, 1, 1], [1, 1], 1), ([2, 2], [2, 2, 2, 2], [1, 1], 1), ([1, 2], [0, 1, 2, 0], [2, 1], 2)])
+def test_channels_last_depthwise_conv_is_the_conv_kernel_bit_for_bit_and_torchs(strides, pads, dilations, multiplier):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 6, 9, 8)).astype(np.float32)
+    w = rng.standard_normal((6 * multiplier, 1, 3, 5)).astype(np.float32)
+    b = rng.standard_normal(6 * multiplier).astype(np.float32)
+    attrs = {"group": 6, "strides": strides, "pads": pads, "dilations": dilations}
+    want = conv_kernels.conv(x, w, b, **attrs)[0]
+    got = conv_kernels.conv_channels_last(_last(x), w, b, **attrs)[0]
+    np.testing.assert_array_equal(got, _last(want))
+    padded = np.pad(x, [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])])
+    oracle = torch.nn.functional.conv2d(torch.from_numpy(padded), torch.from_numpy(w), torch.from_numpy(b),
+                                        stride=strides, dilation=dilations, groups=6).numpy()
+    np.testing.assert_allclose(want, oracle, rtol=1e-5, atol=1e-5)
+
+
+def test_channels_last_pointwise_and_transposed_convs_match_torch():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 5, 4, 7)).astype(np.float32)
+    w = rng.standard_normal((3, 5, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(3).astype(np.float32)
+    y = conv_kernels.conv_channels_last(_last(x), w, b)[0]
+    np.testing.assert_allclose(y, _last(torch.nn.functional.conv2d(*map(torch.from_numpy, (x, w, b))).numpy()), rtol=1e-5, atol=1e-5)
+    # the 1x1 transposed convolution (a 1x1 Conv's input gradient) and the depthwise one, strided
+    wt = rng.standard_normal((5, 3, 1, 1)).astype(np.float32)
+    yt = conv_kernels.conv_transpose_channels_last(_last(x), wt)[0]
+    np.testing.assert_allclose(yt, _last(torch.nn.functional.conv_transpose2d(*map(torch.from_numpy, (x, wt))).numpy()), rtol=1e-5, atol=1e-5)
+    wd = rng.standard_normal((5, 1, 3, 3)).astype(np.float32)
+    attrs = {"group": 5, "strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 0]}
+    yd = conv_kernels.conv_transpose_channels_last(_last(x), wd, **attrs)[0]
+    np.testing.assert_array_equal(yd, _last(conv_kernels.conv_transpose(x, wd, **attrs)[0]))
+    oracle = torch.nn.functional.conv_transpose2d(torch.from_numpy(x), torch.from_numpy(wd), stride=2, padding=1,
+                                                  output_padding=(1, 0), groups=5).numpy()
+    np.testing.assert_allclose(yd, _last(oracle), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_norm_rows_and_their_gradient_match_torch():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 7, 5, 6)).astype(np.float32) * 3 + 1
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    scale, bias = rng.standard_normal(7).astype(np.float32), rng.standard_normal(7).astype(np.float32)
+    mean, var = rng.standard_normal(7).astype(np.float32), rng.random(7).astype(np.float32) + 0.5
+    rows, dy_rows = _last(x).reshape(-1, 7), _last(dy).reshape(-1, 7)
+    y, running_mean, running_var = batch_norm_rows(rows, scale, bias, mean, var, 1e-5, 0.9)
+    tx = torch.from_numpy(x).requires_grad_()
+    ts, tb = torch.from_numpy(scale).requires_grad_(), torch.from_numpy(bias).requires_grad_()
+    tm, tv = torch.from_numpy(mean.copy()), torch.from_numpy(var.copy())
+    ty = torch.nn.functional.batch_norm(tx, tm, tv, ts, tb, training=True, momentum=0.1, eps=1e-5)
+    ty.backward(torch.from_numpy(dy))
+    np.testing.assert_allclose(y.reshape(4, 5, 6, 7), _last(ty.detach().numpy()), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(running_mean, tm.numpy(), rtol=1e-5, atol=1e-6)
+    # ONNX keeps the population variance; PyTorch's running variance is the unbiased one
+    n = rows.shape[0]
+    np.testing.assert_allclose(running_var, 0.9 * var + 0.1 * (tv.numpy() - 0.9 * var) / 0.1 * (n - 1) / n, rtol=1e-5, atol=1e-6)
+    dx, dscale, dbias = batch_norm_grad_rows(rows, dy_rows, scale, np.float32(1 / n), np.float32(1e-5))
+    np.testing.assert_allclose(dx.reshape(4, 5, 6, 7), _last(tx.grad.numpy()), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dscale, ts.grad.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dbias, tb.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_inference_batch_norm_rows_are_the_channels_first_kernel_bit_for_bit():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 10, 4, 5)).astype(np.float32)
+    scale, bias, mean = (rng.standard_normal(10).astype(np.float32) for _ in range(3))
+    var = rng.random(10).astype(np.float32) + 0.1
+    want = batch_normalization(x, scale, bias, mean, var, epsilon=1e-3)[0]
+    got = batch_norm_inference_rows(_last(x).reshape(-1, 10), scale, bias, mean, var, 1e-3)
+    np.testing.assert_array_equal(got.reshape(3, 4, 5, 10), _last(want))
+    oracle = torch.nn.functional.batch_norm(*map(torch.from_numpy, (x, mean, var, scale, bias)), training=False, eps=1e-3)
+    np.testing.assert_allclose(want, oracle.numpy(), rtol=1e-5, atol=1e-5)
