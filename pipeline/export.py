@@ -46,6 +46,9 @@ from pipeline.io import nest, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NO_TRACKING, NullRun
 
+# headline.json (dvc metrics show, dvc exp show): the size of the model that ships
+HEADLINE = {"model_bytes": "inference_model_bytes"}
+
 
 @dataclass
 class ExportConfig(Section):
@@ -220,7 +223,7 @@ def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
     return stage_main("export", run, argv, after=after,
-                      datasets={"user_holdout": "evaluation", "global_test": "evaluation"})
+                      datasets={"user_holdout": "evaluation", "global_test": "evaluation"}, headline=HEADLINE)
 
 
 if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)

@@ -36,6 +36,9 @@ from pipeline.tracking import NO_TRACKING, NullRun
 
 EVAL_SPLITS = ("global_train", "global_test", "user_holdout")
 
+# headline.json (dvc metrics show, dvc exp show): the pretrained base on the global test set
+HEADLINE = {"base_accuracy": "global_test.accuracy"}
+
 
 class PretrainMode(Enum):
     auto = "auto"
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
     return stage_main("pretrain", run, argv, after=after,
-                      datasets={"global_train": "training", "global_test": "evaluation"})
+                      datasets={"global_train": "training", "global_test": "evaluation"}, headline=HEADLINE)
 
 
 if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)
