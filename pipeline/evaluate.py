@@ -22,7 +22,6 @@ import odt_ops
 from odt_ops.api import CheckpointState, Module
 from pipeline import inputs, scoring
 from pipeline.config import MISSING, Section
-from pipeline.errors import DataError
 from pipeline.io import flatten, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NO_TRACKING, NullRun
@@ -53,11 +52,8 @@ def confusion(paths: Paths, model: str) -> Path:
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     gen = inputs.generated(paths)
-    base_path = paths.pretrained_model
-    ckpt = paths.trained_checkpoint
-    for path, stage in ((base_path, "pretrain"), (ckpt, "train")):
-        if not path.is_file():
-            raise DataError(f"{paths.show(path)}: {stage}'s output not found; run the pipeline from the start (dvc repro)")
+    base_path = inputs.upstream(paths.pretrained_model, "pretrain", paths)
+    ckpt = inputs.upstream(paths.trained_checkpoint, "train", paths)
     encode = inputs.target_encoder(gen.eval_model)
     base = odt_ops.InferenceSession(base_path)
     (inp,) = base.input_names()

@@ -41,7 +41,7 @@ from odt_ops.quant.qat import METADATA_KEY as QAT_KEY
 from odt_ops.web_bundle import write_web_bundle
 from pipeline import inference, inputs, loop, scoring
 from pipeline.config import MISSING, Section
-from pipeline.errors import DataError, PipelineError
+from pipeline.errors import PipelineError
 from pipeline.io import nest, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NO_TRACKING, NullRun
@@ -72,9 +72,7 @@ class ExportCheckError(PipelineError):
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     gen = inputs.generated(paths)
-    ckpt = paths.trained_checkpoint
-    if not ckpt.is_file():
-        raise DataError(f"{paths.show(ckpt)}: train's checkpoint not found; run the pipeline from the start (dvc repro)")
+    ckpt = inputs.upstream(paths.trained_checkpoint, "train", paths)
     state = CheckpointState.load_checkpoint(ckpt)
     module = Module(gen.training_model, state, gen.eval_model)
     target = paths.inference_model

@@ -54,7 +54,8 @@ def spool_dir() -> Path:
 class SpoolSink:
     """Spools one run (pipeline.tracking.RecordingRun's sink) for the logging process."""
 
-    def __init__(self, directory: Path | None = None):
+    def __init__(self, dvc_key: str | None, directory: Path | None = None):
+        """``dvc_key``: the DVC command running the stage (pipeline.tracking.dvc_invocation_key)."""
         import importlib.util
 
         if importlib.util.find_spec("mlflow") is None:
@@ -63,12 +64,11 @@ class SpoolSink:
         self.name = f"{time.time_ns()}-{uuid.uuid4().hex[:12]}"
         self.files = self.dir / f"{self.name}.files"
         self._kept = 0
+        self.dvc_key = dvc_key
 
     def open(self, start: dict) -> tuple[str, str | None]:
-        from pipeline.tracking import dvc_invocation_key
-
         self.files.mkdir(parents=True, exist_ok=True)
-        key = dvc_invocation_key()
+        key = self.dvc_key
         if key is not None:  # the logger serves this DVC command until it ends, and opens its store now
             marker = self.dir / f"{_dvc_process(key)}.alive"
             if not marker.exists():

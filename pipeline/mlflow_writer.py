@@ -34,9 +34,25 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import TrackingError
-from pipeline.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, PARENT_ENV, PIPELINE_KEY_TAG, artifact_location, first_line
 
 BATCH_METRICS, BATCH_PARAMS, BATCH_ENTITIES = 1000, 100, 1000  # MLflow's log_batch limits
+# MLflow 3 opens an experiment on its GenAI overview unless its kind says model training
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+PIPELINE_KEY_TAG = "odt.pipeline_key"  # the pipeline run of one DVC command, found by this tag
+PARENT_ENV = "ODT_PARENT_RUN_ID"  # the run a stage nests under when given (not MLFLOW_RUN_ID, which resumes a run)
+
+
+def artifact_location(uri: str) -> str | None:
+    """``mlartifacts/`` beside a SQLite store; None (the server decides) otherwise."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///"))
+        return (db.resolve().parent / "mlartifacts").as_uri()
+    return None
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class Writer:

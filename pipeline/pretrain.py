@@ -29,8 +29,7 @@ from odt_ops.api import CheckpointState, ConstantLRScheduler, Module, Optimizer
 from pipeline import config, inputs, loop, scoring
 from pipeline.config import MISSING, OPTIMIZER, Section
 from pipeline.convert import ModelSource
-from pipeline.errors import DataError
-from pipeline.io import flatten, nest, verify_digest, write_json
+from pipeline.io import flatten, nest, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NO_TRACKING, NullRun
 
@@ -71,10 +70,7 @@ def should_train(cfg) -> bool:
 
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
-    source = paths.base_model
-    if not source.is_file():
-        raise DataError(f"{paths.show(source)}: convert's model not found; run the pipeline from the start (dvc repro)")
-    verify_digest(source, paths.show(source))
+    source = inputs.upstream(paths.base_model, "convert", paths)
     splits = {name: inputs.load_split(paths, name) for name in EVAL_SPLITS}
     inputs.check_fits(splits["global_train"], source, paths)
     out = paths.out("pretrain")

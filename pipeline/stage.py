@@ -8,7 +8,9 @@
    and swap it into ``data/<stage>/`` only if ``run`` succeeded, so a failure leaves
    the previous outputs (this stage's and every earlier one's) intact; the metrics file
    is rounded to the digits that mean something first, and the stage's headline metrics
-   (``headline``: the few DVC shows) copied from it into headline.json;
+   (``headline``: the few DVC shows) copied from it into headline.json, and the sha256 of
+   every file recorded in SHA256SUMS (``pipeline.inputs.upstream`` checks a file a later
+   stage reads against it: a changed bit is one line naming the file);
 4. log the metrics and the output files (all, or the stage's ``artifacts(paths)``) to MLflow, then call the stage's
    ``after(cfg, paths, tracker)`` hook (PNG plots, files for the pipeline run) when
    tracking is on; a failing hook is a warning, never a failed stage;
@@ -66,7 +68,7 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
     try:
         from pipeline import config, tracking
         from pipeline.config import hydra_flags
-        from pipeline.io import publish_dir
+        from pipeline.io import publish_dir, write_digests
 
         if hydra_flags.is_multirun(args) or hydra_flags.sweeps(hydra_flags.split(args)[1]):
             raise hydra_flags.sweep_error(stage, [a for a in hydra_flags.split(args)[1] if a not in hydra_flags.MULTIRUN])
@@ -83,6 +85,7 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
                 round_metrics_file(staging / METRICS)
                 if headline:
                     write_headline(staging, headline)
+                write_digests(staging)  # last: what later stages check the files they read against
             tracker.log_metrics(metrics)
             logged = artifacts(paths) if artifacts is not None else sorted(p for p in paths.out(stage).iterdir() if not p.name.startswith("."))
             for path in logged:

@@ -33,6 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config.schema import MISSING, Section
+from pipeline.mlflow_writer import (  # noqa: F401 (MLflow's names, read by users of this module; mlflow not imported)
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    PARENT_ENV,
+    PIPELINE_KEY_TAG,
+    artifact_location,
+    first_line,
+)
 from pipeline.paths import project_root, tracking_root
 
 
@@ -51,25 +59,13 @@ class TrackingConfig(Section):
 
 CONFIG = {"tracking": TrackingConfig}
 
-PARENT_ENV = "ODT_PARENT_RUN_ID"
 MODE_ENV = "ODT_TRACKING_MODE"  # "direct" or "spool" forces one; unset: spool under DVC, direct otherwise
 IN_SERVICE_ALIAS = "in-service"  # the registry alias of the model the retraining job promoted
 MAX_PARAM_LENGTH = 6000
-# the experiment's kind (MLflow 3 opens an experiment on its GenAI overview unless it says model training)
-# and the pipeline run's key: pipeline.mlflow_writer's, named here for readers of this module
-EXPERIMENT_KIND_TAG, EXPERIMENT_KIND, PIPELINE_KEY_TAG = "mlflow.experimentKind", "custom_model_development", "odt.pipeline_key"
 
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{tracking_root() / 'mlflow.db'}"
-
-
-def artifact_location(uri: str) -> str | None:
-    """``mlartifacts/`` beside a SQLite store; None (the server decides) otherwise."""
-    if uri.startswith("sqlite:///"):
-        db = Path(uri.removeprefix("sqlite:///"))
-        return (db.resolve().parent / "mlartifacts").as_uri()
-    return None
 
 
 class NullRun:
@@ -300,7 +296,7 @@ def stage_run(stage: str, cfg, *, config_source: str | None = None) -> Iterator[
     if tracking_mode() == "spool":
         from pipeline.mlflow_logger import SpoolSink
 
-        sink = SpoolSink()
+        sink = SpoolSink(dvc_invocation_key())
     else:
         sink = DirectSink()
     tracker = RecordingRun(start, sink)
@@ -391,8 +387,3 @@ def dvc_invocation_key() -> str | None:
             return f"dvc-{pid}-{start}" + (f"-{exp}" if exp else "")
         pid = int(fields_after_comm[1])  # field 4: the parent's pid
     return None
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
