@@ -134,3 +134,26 @@ def _plots() -> bool:
     from pipeline import plots
 
     return plots.available()
+
+
+def test_a_run_mlflow_refuses_is_named_by_wait_and_kept(tmp_path, mlflow_store, capsys):
+    """A spooled run whose parent does not exist: --wait exits 1 with one line naming the run
+    and MLflow's reason; the run stays in failed/ and the spool is otherwise drained."""
+    from pipeline.mlflow_writer import dumps
+
+    spool = tmp_path / mlflow_logger.SPOOL
+    spool.mkdir()
+    start = {"op": "start", "uri": mlflow_store, "experiment": "odt", "run_name": "train", "tags": {}, "start_time": 1,
+             "log_artifacts": True, "parent": {"id": "0123456789abcdef0123456789abcdef"}}
+    (spool / "1-bad.jsonl").write_text(dumps([start, {"op": "end", "status": "FINISHED", "end_time": 2}]))
+    good = {**start, "parent": None, "run_name": "evaluate"}
+    (spool / "2-good.jsonl").write_text(dumps([good, {"op": "params", "params": {"seed": "0"}},
+                                               {"op": "end", "status": "FINISHED", "end_time": 3}]))
+    failed = mlflow_logger.wait(spool)
+    assert len(failed) == 1
+    assert failed[0].startswith(".mlflow-spool/failed/1-bad.jsonl: TrackingError: ODT_PARENT_RUN_ID=0123456789abcdef"), failed
+    assert (spool / "failed" / "1-bad.jsonl").is_file()
+    assert mlflow_logger.pending(spool) == []
+    client = mlflow.MlflowClient(tracking_uri=mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("odt").experiment_id])
+    assert (run.info.run_name, run.data.params, run.info.start_time, run.info.end_time) == ("evaluate", {"seed": "0"}, 1, 3)
