@@ -157,3 +157,46 @@ def test_a_run_mlflow_refuses_is_named_by_wait_and_kept(tmp_path, mlflow_store, 
     client = mlflow.MlflowClient(tracking_uri=mlflow_store)
     (run,) = client.search_runs([client.get_experiment_by_name("odt").experiment_id])
     assert (run.info.run_name, run.data.params, run.info.start_time, run.info.end_time) == ("evaluate", {"seed": "0"}, 1, 3)
+
+
+def test_under_dvc_one_logging_process_writes_the_stages_runs(tmp_path):
+    """`dvc repro convert` (prepare and convert) in a fresh clone with tracking on: neither stage
+    imports mlflow; one logging process writes both runs, nested under the command's pipeline
+    run (named after the commit), and --wait returns once they are in MLflow."""
+    pytest.importorskip("dvc")
+    from tests.pipeline.conftest import dvc_env, project_copy
+
+    repo = project_copy(tmp_path / "clone", "data:\n  user_samples: 100\n  user_train_per_class: 3\n")
+    env = dvc_env(tmp_path)
+    # a tripwire like dvc_env's torch: each process importing mlflow records its script, then gets the real one
+    trap = Path(env["PYTHONPATH"]) / "mlflow"
+    trap.mkdir()
+    (trap / "__init__.py").write_text(
+        "import importlib, os, sys\n"
+        f"open({str(tmp_path / 'mlflow-imported')!r}, 'a').write(os.path.basename(sys.argv[0]) + '\\n')\n"
+        f"sys.path[:] = [p for p in sys.path if os.path.abspath(p) != {str(trap.parent)!r}]\n"
+        "del sys.modules['mlflow']\n"
+        "sys.modules['mlflow'] = importlib.import_module('mlflow')\n")
+    out = subprocess.run([sys.executable, "-m", "dvc", "repro", "convert"], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    imported = set((tmp_path / "mlflow-imported").read_text().split())
+    assert imported <= {"mlflow_logger.py"}, imported  # the logging process only: no stage imported mlflow
+    waited = subprocess.run([sys.executable, "-m", "pipeline.mlflow_logger", "--wait", "--timeout", "300"], cwd=repo,
+                            env={**env, "PYTHONPATH": ""}, capture_output=True, text=True, timeout=600)
+    assert waited.returncode == 0, waited.stderr
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("odt").experiment_id])
+    by_name = {r.info.run_name: r for r in runs}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    pipeline_run = by_name[f"repro@{commit[:8]}"]
+    assert set(by_name) == {"prepare", "convert", pipeline_run.info.run_name}
+    for stage in ("prepare", "convert"):
+        assert by_name[stage].data.tags["mlflow.parentRunId"] == pipeline_run.info.run_id
+        assert by_name[stage].info.status == "FINISHED"
+        assert by_name[stage].data.tags["dvc.stage"] == stage
+    assert by_name["prepare"].data.metrics["n_user_train"] == 30
+    loggers = [line for line in (repo / ".mlflow-spool" / "logger.log").read_text().splitlines() if line.startswith("logger ")]
+    assert len(loggers) == 1, loggers
+    assert " 2 run(s) written" in loggers[0], loggers
+    assert imported == {"mlflow_logger.py"}
