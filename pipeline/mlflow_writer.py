@@ -106,28 +106,25 @@ class Writer:
         from mlflow.entities import Metric, Param, RunTag
 
         client = self.client(start["uri"])
-        batches: dict[str, dict[str, list]] = {}
-
-        def batch(run: str | None) -> dict[str, list]:
-            return batches.setdefault(run, {"params": [], "tags": [], "metrics": []}) if run else {"params": [], "tags": [], "metrics": []}
-
+        batches: dict[str, dict[str, list]] = {}  # run id -> its params, tags and metrics
         later = []
         for rec in records:
             target = parent if rec.get("run") == "parent" else run_id
+            if target is None:  # the pipeline run's share, with no pipeline run (a stage run by hand)
+                continue
+            batch = batches.setdefault(target, {"params": [], "tags": [], "metrics": []})
             op = rec["op"]
             if op == "params":
-                batch(target)["params"] += [Param(k, v) for k, v in rec["params"].items()]
+                batch["params"] += [Param(k, v) for k, v in rec["params"].items()]
             elif op == "tags":
-                batch(target)["tags"] += [RunTag(k, v) for k, v in rec["tags"].items()]
+                batch["tags"] += [RunTag(k, v) for k, v in rec["tags"].items()]
             elif op == "metrics":
-                batch(target)["metrics"] += [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in rec["metrics"]]
+                batch["metrics"] += [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in rec["metrics"]]
             else:
                 later.append((target, rec))
         for target, b in batches.items():
             self._log_batch(client, target, **b)
         for target, rec in later:
-            if target is None:
-                continue
             op = rec["op"]
             if op == "artifact" and start["log_artifacts"]:
                 self.log_artifact(client, target, rec["path"], rec.get("artifact_path"))
