@@ -13,7 +13,8 @@ while the stages work. The spool:
   stage logs it, so later commands or a removed temporary copy cannot change them.
 - ``<time>-<id>.jsonl``: a finished run's records, written atomically when its stage ends.
 - ``logger.lock``: held by the one logging process (``flock``); ``failed/``: runs MLflow
-  refused, each with its reason (``--wait`` lists them).
+  refused, each with its reason (``--wait`` lists them). A run's files with no records a day
+  later (its stage was killed outright) are removed when a logger starts.
 
 Every stage starts a logger if none holds the lock (when it starts and when it ends). The
 logger writes runs in the order they started and exits when no run is pending and no DVC
@@ -42,6 +43,7 @@ from pipeline.paths import tracking_root
 SPOOL = ".mlflow-spool"
 POLL = 0.1  # seconds between the logger's looks at the spool
 IDLE_LIMIT = 3600.0  # a logger whose DVC commands never end (a stale marker) gives up after this
+STALE = 86400.0  # a run's files with no records after a day: its stage was killed (SIGKILL) before it ended
 
 
 def spool_dir() -> Path:
@@ -234,9 +236,20 @@ def serve(directory: Path) -> int:
     return 0
 
 
+def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
+    """The kept files of runs whose stage died before writing its records (they never will)."""
+    now = time.time() if now is None else now
+    stale = [f for f in directory.glob("*.files")
+             if not (directory / f"{f.stem}.jsonl").exists() and now - f.stat().st_mtime > STALE]
+    for files in stale:
+        shutil.rmtree(files, ignore_errors=True)
+    return stale
+
+
 def _serve(directory: Path, fd: int) -> int:
     from pipeline.mlflow_writer import Writer
 
+    remove_stale(directory)
     writer = Writer()
     for store in live_commands(directory):  # open the store (on a fresh clone: create it) while the stages work
         with contextlib.suppress(Exception):

@@ -200,3 +200,15 @@ def test_under_dvc_one_logging_process_writes_the_stages_runs(tmp_path):
     assert len(loggers) == 1, loggers
     assert " 2 run(s) written" in loggers[0], loggers
     assert imported == {"mlflow_logger.py"}
+
+
+def test_files_of_a_killed_stage_go_after_a_day(tmp_path):
+    spool = tmp_path / mlflow_logger.SPOOL
+    for name in ("1-killed", "2-running", "3-done"):
+        (spool / f"{name}.files" / "001").mkdir(parents=True)
+    (spool / "3-done.jsonl").write_text("")
+    day_ago = os.stat(spool).st_mtime - mlflow_logger.STALE - 60
+    for name in ("1-killed", "3-done"):
+        os.utime(spool / f"{name}.files", (day_ago, day_ago))
+    assert mlflow_logger.remove_stale(spool) == [spool / "1-killed.files"]
+    assert sorted(p.name for p in spool.glob("*.files")) == ["2-running.files", "3-done.files"]
