@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +22,16 @@ import odt_ops
 from odt_ops.api import CheckpointState, Module
 from pipeline import inputs, scoring
 from pipeline.config import MISSING, Section
-from pipeline.errors import DataError
 from pipeline.io import flatten, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NO_TRACKING, NullRun
 
 SPLITS = ("user_holdout", "global_test")
 MODELS = ("base", "personalized")
+
+# headline.json (dvc metrics show, dvc exp show; the README's `dvc exp show --keep` names them)
+HEADLINE = {"user_holdout.personalized.accuracy": "user_holdout.personalized.accuracy",
+            "personalization_gain": "personalization_gain", "forgetting": "forgetting"}
 
 
 @dataclass
@@ -50,11 +52,8 @@ def confusion(paths: Paths, model: str) -> Path:
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     gen = inputs.generated(paths)
-    base_path = paths.pretrained_model
-    ckpt = paths.trained_checkpoint
-    for path, stage in ((base_path, "pretrain"), (ckpt, "train")):
-        if not path.is_file():
-            raise DataError(f"{paths.show(path)}: {stage}'s output not found; run the pipeline from the start (dvc repro)")
+    base_path = inputs.upstream(paths.pretrained_model, "pretrain", paths)
+    ckpt = inputs.upstream(paths.trained_checkpoint, "train", paths)
     encode = inputs.target_encoder(gen.eval_model)
     base = odt_ops.InferenceSession(base_path)
     (inp,) = base.input_names()
@@ -96,21 +95,18 @@ def summary(metrics: dict) -> str:
 def after(cfg, paths: Paths, tracker) -> None:
     import json
 
-    from pipeline import plots
-
     metrics = json.loads(paths.metrics("evaluate").read_text())
     tracker.log_parent_metrics({k: v for k, v in flatten(metrics).items() if not k.endswith(".n")})
-    if plots.available():
-        with tempfile.TemporaryDirectory(prefix="odt-plots-") as tmp:
-            matrices = [(m, plots.confusion_from_rows(confusion(paths, m), cfg.data.num_classes)) for m in MODELS]
-            png = plots.confusion(matrices, Path(tmp) / "confusion_user_holdout.png", "the user's holdout: base vs personalized")
-            tracker.log_artifact(png, "plots")
+    tracker.log_plot("confusion", "confusion_user_holdout.png",
+                     {"title": "the user's holdout: base vs personalized", "num_classes": cfg.data.num_classes, "models": list(MODELS)},
+                     {m: confusion(paths, m) for m in MODELS})
 
 
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("evaluate", run, argv, after=after, describe=summary, datasets={"user_holdout": "evaluation", "global_test": "evaluation"})
+    return stage_main("evaluate", run, argv, after=after, describe=summary, datasets={"user_holdout": "evaluation", "global_test": "evaluation"},
+                      headline=HEADLINE)
 
 
 if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)

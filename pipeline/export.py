@@ -41,10 +41,13 @@ from odt_ops.quant.qat import METADATA_KEY as QAT_KEY
 from odt_ops.web_bundle import write_web_bundle
 from pipeline import inference, inputs, loop, scoring
 from pipeline.config import MISSING, Section
-from pipeline.errors import DataError, PipelineError
+from pipeline.errors import PipelineError
 from pipeline.io import nest, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NO_TRACKING, NullRun
+
+# headline.json (dvc metrics show, dvc exp show): the size of the model that ships
+HEADLINE = {"model_bytes": "inference_model_bytes"}
 
 
 @dataclass
@@ -69,9 +72,7 @@ class ExportCheckError(PipelineError):
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     gen = inputs.generated(paths)
-    ckpt = paths.trained_checkpoint
-    if not ckpt.is_file():
-        raise DataError(f"{paths.show(ckpt)}: train's checkpoint not found; run the pipeline from the start (dvc repro)")
+    ckpt = inputs.upstream(paths.trained_checkpoint, "train", paths)
     state = CheckpointState.load_checkpoint(ckpt)
     module = Module(gen.training_model, state, gen.eval_model)
     target = paths.inference_model
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
     return stage_main("export", run, argv, after=after,
-                      datasets={"user_holdout": "evaluation", "global_test": "evaluation"})
+                      datasets={"user_holdout": "evaluation", "global_test": "evaluation"}, headline=HEADLINE)
 
 
 if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)

@@ -47,6 +47,9 @@ from pipeline.tracking import NO_TRACKING, NullRun
 ROUND_COLUMNS = ("round", "sampled", "participants", "dropped", "kept_global", "client_accuracy", "client_loss",
                  "global_test_accuracy", "global_test_loss", "bytes_up", "bytes_down", "payload_bytes_up")
 
+# headline.json (dvc metrics show, dvc exp show): the federated global model on the global test set
+HEADLINE = {"federated_accuracy": "global_test.accuracy"}
+
 
 # --------------------------------------------------------------------------- the federated section
 # One schema: conf/federated's keys are odt_ops.federated.settings.FederationSettings's fields
@@ -275,7 +278,8 @@ def describe(metrics: dict) -> str:
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
-    return stage_main("federate", run, argv, after=after, describe=describe, datasets={"global_test": "evaluation"})
+    return stage_main("federate", run, argv, after=after, describe=describe, datasets={"global_test": "evaluation"},
+                      headline=HEADLINE)
 
 
 if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)

@@ -28,7 +28,7 @@ import odt_ops
 from odt_ops import artifacts
 from odt_ops.checkpoint import load_checkpoint
 from odt_ops.errors import UnsupportedOpError
-from pipeline import config, selection
+from pipeline import config, inputs, selection
 from pipeline.errors import DataError
 from pipeline.io import write_digests, write_json
 from pipeline.paths import Paths
@@ -39,9 +39,7 @@ SUMMARY = "artifacts.json"  # what is trained (the models and checkpoints stay o
 
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
-    source = paths.pretrained_model
-    if not source.is_file():
-        raise DataError(f"{paths.show(source)}: pretrain's model not found; run the pipeline from the start (dvc repro)")
+    source = inputs.upstream(paths.pretrained_model, "pretrain", paths)
     model = odt_ops.load_model(source)
     chosen = selection.select(model, cfg.trainable)
     lora = cfg.trainable.lora.engine() if cfg.trainable.select is selection.Select.lora else None

@@ -26,6 +26,15 @@ def generated(paths: Paths) -> Artifacts:
     return gen
 
 
+def upstream(path: Path, stage: str, paths: Paths) -> Path:
+    """``path``, an output of ``stage`` this stage reads: there, and with the sha256 ``stage``
+    recorded when it wrote it (its folder's SHA256SUMS); a DataError naming the file otherwise."""
+    if not path.is_file():
+        raise DataError(f"{paths.show(path)}: {stage}'s output not found; run the pipeline from the start (dvc repro)")
+    verify_digest(path, paths.show(path))
+    return path
+
+
 def model_proto(path: Path, paths: Paths) -> onnx.ModelProto:
     """An ONNX file's protobuf, weights left outside; a truncated or garbage file is a
     DataError naming it (protobuf's DecodeError otherwise escapes as a traceback)."""

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SPLITS = ("global_train", "global_test", "user_train", "user_holdout")
-METRICS = "metrics.json"  # every stage's metrics file (dvc.yaml lists it as the stage's metrics)
+METRICS = "metrics.json"  # every stage's numbers, in detail (a small file git keeps; MLflow has them too)
+HEADLINE = "headline.json"  # the few of them dvc.yaml lists as the stage's metrics (dvc metrics show, dvc exp show)
 
 
 def project_root() -> Path:
@@ -89,8 +90,12 @@ class Paths:
         return self.out("prepare") / f"{name}.npz"
 
     def metrics(self, stage: str) -> Path:
-        """``stage``'s metrics file (``dvc metrics show`` reads it)."""
+        """``stage``'s metrics file: every number it reports."""
         return self.out(stage) / METRICS
+
+    def headline(self, stage: str) -> Path:
+        """``stage``'s headline metrics (``dvc metrics show`` and ``dvc exp show`` read them)."""
+        return self.out(stage) / HEADLINE
 
     # Each output another stage (or the retraining job) reads, named once: the stage that
     # writes it and every reader use these.

@@ -94,3 +94,15 @@ def confusion_from_rows(rows_json: Path, num_classes: int | None = None) -> np.n
     for r in rows:
         m[r["actual"], r["predicted"]] += 1
     return m
+
+
+def draw(kind: str, path: Path, spec: dict) -> Path:
+    """The plot a tracking record describes (pipeline.tracking.RecordingRun.log_plot): ``kind``
+    loss_curve (``curve_csv``, ``title``) or confusion (``models``, a rows file per model,
+    ``num_classes``, ``title``)."""
+    if kind == "loss_curve":
+        return loss_curve(Path(spec["curve_csv"]), path, title=spec["title"])
+    if kind == "confusion":
+        matrices = [(m, confusion_from_rows(Path(spec[m]), spec["num_classes"])) for m in spec["models"]]
+        return confusion(matrices, path, spec["title"])
+    raise ValueError(f"unknown plot kind {kind!r}: loss_curve or confusion")

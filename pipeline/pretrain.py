@@ -29,12 +29,14 @@ from odt_ops.api import CheckpointState, ConstantLRScheduler, Module, Optimizer
 from pipeline import config, inputs, loop, scoring
 from pipeline.config import MISSING, OPTIMIZER, Section
 from pipeline.convert import ModelSource
-from pipeline.errors import DataError
-from pipeline.io import flatten, nest, verify_digest, write_json
+from pipeline.io import flatten, nest, write_json
 from pipeline.paths import Paths
 from pipeline.tracking import NO_TRACKING, NullRun
 
 EVAL_SPLITS = ("global_train", "global_test", "user_holdout")
+
+# headline.json (dvc metrics show, dvc exp show): the pretrained base on the global test set
+HEADLINE = {"base_accuracy": "global_test.accuracy"}
 
 
 class PretrainMode(Enum):
@@ -68,10 +70,7 @@ def should_train(cfg) -> bool:
 
 
 def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
-    source = paths.base_model
-    if not source.is_file():
-        raise DataError(f"{paths.show(source)}: convert's model not found; run the pipeline from the start (dvc repro)")
-    verify_digest(source, paths.show(source))
+    source = inputs.upstream(paths.base_model, "convert", paths)
     splits = {name: inputs.load_split(paths, name) for name in EVAL_SPLITS}
     inputs.check_fits(splits["global_train"], source, paths)
     out = paths.out("pretrain")
@@ -145,7 +144,7 @@ def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
     return stage_main("pretrain", run, argv, after=after,
-                      datasets={"global_train": "training", "global_test": "evaluation"})
+                      datasets={"global_train": "training", "global_test": "evaluation"}, headline=HEADLINE)
 
 
 if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)

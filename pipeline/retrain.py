@@ -213,6 +213,7 @@ def run_experiment(job: Job, new: NewData, env: dict) -> Candidate:
     copies = [a for rel in _untracked(paths.root, job.inbox) for a in ("-C", rel)]  # git's stash carries the tracked ones
     cmd = [sys.executable, "-m", "dvc", "exp", "run", "--temp", *copies, "-n", job.id, *[a for s in sets for a in ("-S", s)], *TARGETS]
     code = _run(cmd, paths.root, env)
+    _tracking_written()
     if code != 0:
         raise JobError(f"the pipeline failed (dvc exp run exited {code}; the output above names the stage)")
     rev = _experiment_rev(paths.root, job.id)
@@ -221,6 +222,15 @@ def run_experiment(job: Job, new: NewData, env: dict) -> Candidate:
     _read_experiment(paths.root, rev, [*CANDIDATE_FILES.values(), *EXPERIMENT_FILES], root)
     job.record["experiment_rev"] = rev
     return Candidate(rev, root, flatten(json.loads((root / "data/evaluate/metrics.json").read_text())))
+
+
+def _tracking_written() -> None:
+    """The experiment's stage runs are in MLflow (DVC's stages spool them: pipeline.mlflow_logger)
+    before the job nests, promotes or reports; one that could not be written is a warning."""
+    from pipeline import mlflow_logger
+
+    for line in mlflow_logger.wait():
+        print(f"retrain: warning: not written to MLflow: {line}", file=sys.stderr)
 
 
 def _untracked(root: Path, folder: Path) -> list[str]:

@@ -7,7 +7,10 @@
 3. call ``run`` with the stage's output directory redirected to a staging directory,
    and swap it into ``data/<stage>/`` only if ``run`` succeeded, so a failure leaves
    the previous outputs (this stage's and every earlier one's) intact; the metrics file
-   is rounded to the digits that mean something first;
+   is rounded to the digits that mean something first, and the stage's headline metrics
+   (``headline``: the few DVC shows) copied from it into headline.json, and the sha256 of
+   every file recorded in SHA256SUMS (``pipeline.inputs.upstream`` checks a file a later
+   stage reads against it: a changed bit is one line naming the file);
 4. log the metrics and the output files (all, or the stage's ``artifacts(paths)``) to MLflow, then call the stage's
    ``after(cfg, paths, tracker)`` hook (PNG plots, files for the pipeline run) when
    tracking is on; a failing hook is a warning, never a failed stage;
@@ -28,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from pipeline.errors import EXIT_INPUT, PipelineError
-from pipeline.paths import METRICS, Paths
+from pipeline.paths import HEADLINE, METRICS, Paths
 
 RunFn = Callable[..., dict]  # run(cfg, paths, tracker) -> metrics
 SIGNIFICANT = 4  # digits kept in the metrics files DVC shows (dvc metrics show, dvc exp show)
@@ -53,7 +56,7 @@ def usage(stage: str) -> str:
 
 def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts: Callable[[Paths], Iterable[Path]] | None = None,
          after: Callable | None = None, describe: Callable[[dict], str] | None = None,
-         datasets: Mapping[str, str] | None = None) -> int:
+         datasets: Mapping[str, str] | None = None, headline: Mapping[str, str] | None = None) -> int:
     """Run ``stage`` as DVC or a person would (``python -m pipeline.<stage> [overrides]``)."""
     from odt_ops.errors import OdtError
 
@@ -65,7 +68,7 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
     try:
         from pipeline import config, tracking
         from pipeline.config import hydra_flags
-        from pipeline.io import publish_dir
+        from pipeline.io import publish_dir, write_digests
 
         if hydra_flags.is_multirun(args) or hydra_flags.sweeps(hydra_flags.split(args)[1]):
             raise hydra_flags.sweep_error(stage, [a for a in hydra_flags.split(args)[1] if a not in hydra_flags.MULTIRUN])
@@ -80,6 +83,9 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
             with publish_dir(paths.out(stage)) as staging:
                 metrics = run(cfg, paths.redirect(stage, staging), tracker)
                 round_metrics_file(staging / METRICS)
+                if headline:
+                    write_headline(staging, headline)
+                write_digests(staging)  # last: what later stages check the files they read against
             tracker.log_metrics(metrics)
             logged = artifacts(paths) if artifacts is not None else sorted(p for p in paths.out(stage).iterdir() if not p.name.startswith("."))
             for path in logged:
@@ -119,6 +125,20 @@ def round_metrics_file(path: Path) -> None:
         write_json(path, _rounded(json.loads(path.read_text(encoding="utf-8"))))
 
 
+def write_headline(directory: Path, headline: Mapping[str, str]) -> Path:
+    """``directory``'s headline.json: ``{name: metric}`` for each ``name -> key`` of
+    ``headline`` (a flattened key of its metrics.json), what dvc.yaml lists as the stage's
+    metrics: a few columns each, so ``dvc metrics show`` fits a terminal and ``dvc exp
+    show`` stays readable; the detail stays in metrics.json and MLflow."""
+    import json
+
+    from pipeline.io import flatten, nest, write_json
+
+    metrics = flatten(json.loads((directory / METRICS).read_text(encoding="utf-8")))
+    write_json(directory / HEADLINE, nest({name: metrics[key] for name, key in headline.items()}))
+    return directory / HEADLINE
+
+
 def _rounded(value):
     if isinstance(value, float):
         return float(f"{value:.{SIGNIFICANT}g}") if math.isfinite(value) else value
@@ -131,11 +151,9 @@ def _rounded(value):
 
 def _log_datasets(tracker, paths: Paths, datasets: Mapping[str, str]) -> None:
     """``split name -> context`` (training, evaluation) as MLflow dataset inputs."""
-    from pipeline.inputs import load_split
-
     by_context: dict[str, dict] = {}
     for name, context in datasets.items():
-        by_context.setdefault(context, {})[name] = (load_split(paths, name).x, paths.show(paths.split(name)))
+        by_context.setdefault(context, {})[name] = (paths.split(name), paths.show(paths.split(name)))
     for context, group in by_context.items():
         tracker.log_datasets(group, context)
 

@@ -10,11 +10,16 @@
   ``dvc exp run`` invocation runs share a parent found or created by a key of that DVC
   process; a stage run by hand is a top-level run.
 - Each stage run gets its flattened configuration as params, the tags ``odt.stage``,
-  ``dvc.stage``, ``dvc.exp``, ``dvc.baseline_rev``, ``git.commit``, buffered step
-  metrics (flushed with ``log_batch``) and its artifacts.
+  ``dvc.stage``, ``dvc.exp``, ``dvc.baseline_rev``, ``git.commit``, step metrics and its
+  artifacts.
+- Who writes them: a stage's tracker only records (``RecordingRun``; the records and what
+  MLflow makes of each: pipeline.mlflow_writer). Under DVC the records are spooled and ONE
+  logging process per DVC command writes them (pipeline.mlflow_logger): ``import mlflow``
+  costs 2 s of CPU, once instead of once per stage, and overlaps the stages' work; a stage
+  run by hand (and the retraining job) writes its own before it returns.
+  ``python -m pipeline.mlflow_logger --wait`` returns when every spooled run is in MLflow.
 
-mlflow is imported lazily: importing this module costs nothing, and stages run with
-``tracking=disabled`` never import it.
+This module never imports mlflow: stages run with ``tracking=disabled``, or under DVC, never do.
 """
 from __future__ import annotations
 
@@ -22,14 +27,20 @@ import contextlib
 import os
 import subprocess
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.config.schema import MISSING, Section
-from pipeline.errors import TrackingError
+from pipeline.mlflow_writer import (  # noqa: F401 (MLflow's names, read by users of this module; mlflow not imported)
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    PARENT_ENV,
+    PIPELINE_KEY_TAG,
+    artifact_location,
+    first_line,
+)
 from pipeline.paths import project_root, tracking_root
 
 
@@ -48,29 +59,17 @@ class TrackingConfig(Section):
 
 CONFIG = {"tracking": TrackingConfig}
 
-PARENT_ENV = "ODT_PARENT_RUN_ID"
-# MLflow 3 opens an experiment on its GenAI overview unless its kind says model training
-EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+MODE_ENV = "ODT_TRACKING_MODE"  # "direct" or "spool" forces one; unset: spool under DVC, direct otherwise
 IN_SERVICE_ALIAS = "in-service"  # the registry alias of the model the retraining job promoted
-PIPELINE_KEY_TAG = "odt.pipeline_key"
 MAX_PARAM_LENGTH = 6000
-BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{tracking_root() / 'mlflow.db'}"
 
 
-def artifact_location(uri: str) -> str | None:
-    """``mlartifacts/`` beside a SQLite store; None (the server decides) otherwise."""
-    if uri.startswith("sqlite:///"):
-        db = Path(uri.removeprefix("sqlite:///"))
-        return (db.resolve().parent / "mlartifacts").as_uri()
-    return None
-
-
 class NullRun:
-    """Stands in for a StageRun when tracking is disabled; every call is a no-op."""
+    """Stands in for a tracked run when tracking is disabled; every call is a no-op."""
 
     run_id: str | None = None
     parent_run_id: str | None = None
@@ -96,13 +95,10 @@ class NullRun:
     def log_parent_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         pass
 
-    def flush(self) -> None:
+    def log_datasets(self, datasets: Mapping[str, tuple[str | os.PathLike, str]], context: str) -> None:
         pass
 
-    def wait(self) -> None:
-        pass
-
-    def log_datasets(self, datasets: Mapping[str, tuple[Any, str]], context: str) -> None:
+    def log_plot(self, kind: str, name: str, spec: Mapping[str, Any], files: Mapping[str, str | os.PathLike]) -> None:
         pass
 
     def log_onnx_model(self, path: str | os.PathLike, input_example, name: str = "inference_model") -> str | None:
@@ -119,137 +115,126 @@ class NullRun:
 NO_TRACKING = NullRun()  # the stages' default tracker: every call a no-op (it holds no state)
 
 
-class StageRun(NullRun):
-    """One MLflow run. Metrics are buffered and sent in batches (3.5 ms per single
-    ``log_metric`` call on SQLite, 0.05 s per 1000 in a batch), params, tags and metrics
-    asynchronously (MLflow's ``log_batch(synchronous=False)``: its queue writes them while
-    the stage works); ``wait`` returns when all are written."""
+class RecordingRun(NullRun):
+    """A tracked run: every call becomes a record (pipeline.mlflow_writer lists them and
+    what MLflow makes of each), handed to ``sink`` when the run ends: written in this
+    process (DirectSink) or spooled for the DVC command's logging process
+    (pipeline.mlflow_logger.SpoolSink). Timestamps are taken here, when things happen."""
 
-    def __init__(self, client, run_id: str, parent_run_id: str | None, *, log_artifacts: bool = True):
-        self.client = client
-        self.run_id = run_id
-        self.parent_run_id = parent_run_id
-        self.log_artifacts = log_artifacts
-        self._buffer: list = []
-        self._pending: list = []  # MLflow's RunOperations of the asynchronous batches
-
-    def _batch(self, run_id: str, **entities) -> None:
-        self._pending.append(self.client.log_batch(run_id, synchronous=False, **entities))
-
-    def wait(self) -> None:
-        """Every asynchronous batch written (an error in one is raised here)."""
-        self.flush()
-        pending, self._pending = self._pending, []
-        for operation in pending:
-            operation.wait()
+    def __init__(self, start: dict, sink):
+        self.start = start
+        self.sink = sink
+        self.records: list[dict] = []
+        self._metrics: list[list] = []
+        self.run_id, self.parent_run_id = sink.open(start)
 
     def log_metric(self, key: str, value: float, step: int | None = None) -> None:
-        from mlflow.entities import Metric
-
-        self._buffer.append(Metric(key, float(value), int(time.time() * 1000), int(step or 0)))
-        if len(self._buffer) >= BATCH:
-            self.flush()
+        self._metrics.append([key, float(value), _now_ms(), int(step or 0)])
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if _is_number(value):
                 self.log_metric(key, value, step)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        items = [Param(str(k)[:250], _param_value(v)) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            self._batch(self.run_id, params=items[i:i + 100])
+        self.sink.add(self, {"op": "params", "params": params_record(params)})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        from mlflow.entities import RunTag
+        self.sink.add(self, {"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
 
-        self._batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        if not self.log_artifacts:
-            return
-        path = Path(path)
-        if path.is_dir():  # as a folder of that name, like a file keeps its name
-            self.client.log_artifacts(self.run_id, str(path), f"{artifact_path}/{path.name}" if artifact_path else path.name)
-        elif path.is_file():
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None, *, run: str = "self") -> None:
+        if self.start["log_artifacts"] and Path(path).exists():
+            self.sink.add(self, {"op": "artifact", "run": run, "path": self.sink.keep(path), "artifact_path": artifact_path})
 
     def log_parent_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Headline metrics on the pipeline run too, so its row in the UI shows them."""
-        from mlflow.entities import Metric
-
-        if not self.parent_run_id:
-            return
-        now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if items:
-            self._batch(self.parent_run_id, metrics=items)
+        now = _now_ms()
+        rows = [[k, float(v), now, 0] for k, v in metrics.items() if _is_number(v)]
+        if rows:
+            self.sink.add(self, {"op": "metrics", "run": "parent", "metrics": rows})
 
     def log_parent_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        if self.parent_run_id and self.log_artifacts and Path(path).is_file():
-            self.client.log_artifact(self.parent_run_id, str(path), artifact_path)
+        if Path(path).is_file():
+            self.log_artifact(path, artifact_path, run="parent")
 
-    def log_datasets(self, datasets: Mapping[str, tuple[Any, str]], context: str) -> None:
-        """Each ``name -> (features, source path)`` as an MLflow dataset input of this run
-        (name, digest, source), with ``context`` (training, evaluation) as MLflow tags it."""
-        import mlflow.data
-        from mlflow.entities import DatasetInput, InputTag
+    def log_datasets(self, datasets: Mapping[str, tuple[str | os.PathLike, str]], context: str) -> None:
+        """Each ``name -> (npz file, source shown)`` as an MLflow dataset input of this run
+        (its features ``x``: name, digest, source), with ``context`` (training, evaluation)."""
+        items = [[name, self.sink.keep(npz), str(source)] for name, (npz, source) in datasets.items()]
+        if items:
+            self.sink.add(self, {"op": "datasets", "context": context, "items": items})
 
-        inputs = []
-        with warnings.catch_warnings():
-            # MLflow registers its local-file dataset source twice (for the URI schemes "" and
-            # "file"), so every local path "can be interpreted in multiple ways:
-            # LocalArtifactDatasetSource, LocalArtifactDatasetSource", once per dataset per
-            # stage; both are the same source, and MLflow takes either. Only that warning is ignored.
-            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
-            for name, (features, source) in datasets.items():
-                dataset = mlflow.data.from_numpy(features, source=str(source), name=name)
-                inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
-        if inputs:
-            self.client.log_inputs(self.run_id, datasets=inputs)
+    def log_plot(self, kind: str, name: str, spec: Mapping[str, Any], files: Mapping[str, str | os.PathLike]) -> None:
+        """A PNG ``name`` under ``plots/``, drawn by ``pipeline.plots.draw(kind, ...)`` from
+        ``spec`` and the stage's ``files`` (drawn by whoever writes the records: matplotlib
+        loads there, not in the stage)."""
+        if self.start["log_artifacts"]:
+            kept = {k: self.sink.keep(v) for k, v in files.items()}
+            self.sink.add(self, {"op": "plot", "kind": kind, "name": name, "artifact_path": "plots", "spec": {**spec, **kept}})
 
     def log_onnx_model(self, path: str | os.PathLike, input_example, name: str = "inference_model") -> str | None:
-        """The ONNX file as an MLflow model (the onnx flavor, with the signature its input example
-        gives and the example itself); returns its ``runs:/`` URI."""
-        import mlflow
-        import mlflow.onnx
-        import onnx
-        from mlflow.models import infer_signature
-
-        import odt_ops
-
-        if not self.log_artifacts:
+        """The ONNX file as an MLflow model (onnx flavor, signature and input example); its
+        ``runs:/`` URI when written now (DirectSink), None when spooled."""
+        if not self.start["log_artifacts"]:
             return None
-        model = onnx.load(str(path))
-        session = odt_ops.InferenceSession(model)
-        outputs = session.run(None, {session.input_names()[0]: input_example})[0]
-        mlflow.set_tracking_uri(tracking_uri())
-        # the fluent API logs models into the active run: this run, resumed and left running
-        with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
-            # pip_requirements given: MLflow would otherwise infer them by loading the model in a
-            # fresh Python process (seconds per stage) to find what the flavor's defaults already say
-            info = mlflow.onnx.log_model(model, name=name, input_example=input_example,
-                                         signature=infer_signature(input_example, outputs),
-                                         onnx_execution_providers=["CPUExecutionProvider"],
-                                         pip_requirements=mlflow.onnx.get_default_pip_requirements())
-        self.client.update_run(self.run_id, status="RUNNING")  # start_run's exit marked it finished; the stage ends it
-        return info.model_uri
+        return self.sink.model(self, {"op": "onnx_model", "path": self.sink.keep(path), "name": name}, input_example)
 
     def register_model(self, model_uri: str, name: str, alias: str) -> str | None:
-        """A new version of registered model ``name`` from ``model_uri``, given ``alias``."""
-        import mlflow
+        return self.sink.register(self, model_uri, name, alias)
 
-        mlflow.set_tracking_uri(tracking_uri())
-        version = mlflow.register_model(model_uri, name, tags={"odt.run": self.run_id})
-        self.client.set_registered_model_alias(name, alias, version.version)
-        return version.version
+    def close(self, status: str) -> None:
+        if self._metrics:
+            self.sink.add(self, {"op": "metrics", "run": "self", "metrics": self._metrics})
+            self._metrics = []
+        self.sink.close(self, {"op": "end", "status": status, "end_time": _now_ms()})
 
-    def flush(self) -> None:
-        while self._buffer:
-            chunk, self._buffer = self._buffer[:BATCH], self._buffer[BATCH:]
-            self._batch(self.run_id, metrics=chunk)
+
+class DirectSink:
+    """Writes in this process: the run is created when it opens (its id is MLflow's), files
+    and models when logged (a model's URI is needed at once; a file may be gone later),
+    params, tags and metrics when it closes."""
+
+    def __init__(self):
+        from pipeline.mlflow_writer import Writer
+
+        self.writer = Writer()
+
+    def open(self, start: dict) -> tuple[str, str | None]:
+        self.ids = self.writer.start(start)
+        return self.ids
+
+    def keep(self, path: str | os.PathLike) -> str:
+        return str(path)  # files are written as they are logged (add), while they exist
+
+    def add(self, run: RecordingRun, rec: dict) -> None:
+        """Params, tags and metrics wait for the run's end (a few batches); files go now."""
+        if rec["op"] in ("params", "tags", "metrics"):
+            run.records.append(rec)
+        else:
+            self.writer.write(run.start, *self.ids, [rec])
+
+    def model(self, run: RecordingRun, rec: dict, input_example) -> str | None:
+        import tempfile
+
+        import numpy as np
+
+        with tempfile.TemporaryDirectory(prefix="odt-example-") as tmp:
+            np.save(Path(tmp) / "example.npy", np.asarray(input_example), allow_pickle=False)
+            return self.writer.log_onnx_model(run.start["uri"], run.run_id, rec["path"], str(Path(tmp) / "example.npy"), rec["name"])
+
+    def register(self, run: RecordingRun, model_uri: str, name: str, alias: str) -> str | None:
+        return self.writer.register_model(run.start["uri"], run.run_id, model_uri, name, alias)
+
+    def close(self, run: RecordingRun, end: dict) -> None:
+        run_id, parent = self.ids
+        try:
+            self.writer.write(run.start, run_id, parent, run.records)
+        finally:
+            self.writer.end(run.start, run_id, parent, end)
+
+
+def params_record(params: Mapping[str, Any]) -> dict[str, str]:
+    return {str(k)[:250]: _param_value(v) for k, v in params.items()}
 
 
 def _param_value(v: Any) -> str:
@@ -257,30 +242,64 @@ def _param_value(v: Any) -> str:
     return text if len(text) <= MAX_PARAM_LENGTH else text[:MAX_PARAM_LENGTH - 3] + "..."
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def tracking_mode() -> str:
+    """``spool`` (one logging process per DVC command writes the stages' records) under DVC,
+    ``direct`` (this process writes them before it returns) otherwise; $ODT_TRACKING_MODE forces one."""
+    forced = os.environ.get(MODE_ENV, "").strip().lower()
+    if forced in ("direct", "spool"):
+        return forced
+    return "spool" if dvc_invocation_key() is not None else "direct"
+
+
+def start_record(stage: str, cfg, *, config_source: str | None = None) -> dict:
+    """The ``start`` record of ``stage``'s run: store, experiment, name, tags, the parent."""
+    from pipeline.config import to_container
+    from pipeline.io import flatten
+
+    tags = {**run_tags(stage), "mlflow.source.name": f"pipeline.{stage}", "mlflow.source.type": "LOCAL"}
+    if config_source:
+        tags["odt.config_source"] = config_source
+    parent = None
+    if os.environ.get(PARENT_ENV):
+        parent = {"id": os.environ[PARENT_ENV]}
+    else:
+        key = dvc_invocation_key()
+        if key is not None:
+            ptags = {"odt.stage": "pipeline", "mlflow.source.type": "LOCAL"}
+            ptags.update({k: v for k, v in run_tags("pipeline").items() if k not in ("odt.stage", "dvc.stage")})
+            # the pipeline's configuration, as every stage sees it (params of the run that makes it)
+            parent = {"key": key, "name": pipeline_run_name(ptags), "tags": ptags, "params": params_record(flatten(to_container(cfg)))}
+    return {"op": "start", "uri": tracking_uri(), "experiment": cfg.tracking.experiment, "run_name": stage, "tags": tags,
+            "start_time": _now_ms(), "log_artifacts": bool(cfg.tracking.log_artifacts), "parent": parent}
+
+
 @contextlib.contextmanager
 def stage_run(stage: str, cfg, *, config_source: str | None = None) -> Iterator[NullRun]:
     """Open the MLflow run of ``stage`` (see the module docstring); yields a NullRun when
-    ``cfg.tracking.enabled`` is false. The run ends FINISHED, or FAILED if the body raised."""
+    ``cfg.tracking.enabled`` is false. The run ends FINISHED, or FAILED if the body raised
+    (KILLED when interrupted)."""
     if not cfg.tracking.enabled:
         yield NullRun()
         return
     from pipeline.config import to_container
     from pipeline.io import flatten
 
-    client, experiment_id = _client_and_experiment(cfg.tracking.experiment)
-    try:
-        parent = _parent_run_id(client, experiment_id, cfg)
-        tags = {**run_tags(stage), "mlflow.source.name": f"pipeline.{stage}", "mlflow.source.type": "LOCAL"}
-        if config_source:
-            tags["odt.config_source"] = config_source
-        if parent:
-            tags["mlflow.parentRunId"] = parent
-        run = client.create_run(experiment_id, run_name=stage, tags=tags)
-    except TrackingError:
-        raise
-    except Exception as exc:
-        raise TrackingError(f"MLflow store {tracking_uri()}: cannot create the run of stage {stage!r} ({_first_line(exc)})") from None
-    tracker = StageRun(client, run.info.run_id, parent, log_artifacts=cfg.tracking.log_artifacts)
+    start = start_record(stage, cfg, config_source=config_source)
+    if tracking_mode() == "spool":
+        from pipeline.mlflow_logger import SpoolSink
+
+        sink = SpoolSink(dvc_invocation_key())
+    else:
+        sink = DirectSink()
+    tracker = RecordingRun(start, sink)
     status = "FAILED"
     try:
         tracker.log_params(flatten(to_container(cfg)))
@@ -290,12 +309,7 @@ def stage_run(stage: str, cfg, *, config_source: str | None = None) -> Iterator[
         status = "KILLED"
         raise
     finally:
-        try:
-            tracker.wait()
-        finally:
-            client.set_terminated(tracker.run_id, status)
-            if parent:
-                _touch_parent(client, parent, status)
+        tracker.close(status)
 
 
 def run_tags(stage: str) -> dict[str, str]:
@@ -348,81 +362,6 @@ def git_commit(root: Path | None = None) -> str | None:
     return out.stdout.strip() or None
 
 
-def _client_and_experiment(name: str):
-    import logging
-
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the network is not ours to use
-    for logger in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
-        logging.getLogger(logger).setLevel(logging.WARNING)
-    try:
-        from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
-    except ImportError:
-        raise TrackingError("tracking needs mlflow: pip install -e '.[pipeline]', or run with tracking=disabled") from None
-    uri = tracking_uri()
-    try:
-        client = MlflowClient(tracking_uri=uri)
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
-            try:
-                return client, client.create_experiment(name, artifact_location=artifact_location(uri),
-                                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
-            except MlflowException:  # created meanwhile by a parallel queued experiment
-                experiment = client.get_experiment_by_name(name)
-                if experiment is None:
-                    raise
-        if experiment.lifecycle_stage == "deleted":
-            raise TrackingError(f"MLflow experiment {name!r} in {uri} is deleted; restore it or set tracking.experiment to another name")
-        if EXPERIMENT_KIND_TAG not in experiment.tags:  # made by an earlier version, or by hand
-            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-        return client, experiment.experiment_id
-    except TrackingError:
-        raise
-    except Exception as exc:
-        raise TrackingError(
-            f"MLflow store {uri}: not usable ({_first_line(exc)}); fix MLFLOW_TRACKING_URI or run with tracking=disabled"
-        ) from None
-
-
-def _parent_run_id(client, experiment_id: str, cfg=None) -> str | None:
-    given = os.environ.get(PARENT_ENV)
-    if given:
-        try:
-            run = client.get_run(given)
-        except Exception:
-            raise TrackingError(f"{PARENT_ENV}={given}: no such run in {tracking_uri()}; unset it or pass an existing run id") from None
-        if run.info.lifecycle_stage == "deleted":
-            raise TrackingError(f"{PARENT_ENV}={given}: that run is deleted; unset it or pass another run id")
-        return given
-    key = dvc_invocation_key()
-    if key is None:
-        return None
-    found = client.search_runs([experiment_id], filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}'", max_results=1)
-    if found:
-        return found[0].info.run_id
-    tags = {PIPELINE_KEY_TAG: key, "odt.stage": "pipeline", "mlflow.source.type": "LOCAL"}
-    tags.update({k: v for k, v in run_tags("pipeline").items() if k not in ("odt.stage", "dvc.stage")})
-    parent = client.create_run(experiment_id, run_name=pipeline_run_name(tags), tags=tags)
-    if cfg is not None:  # the pipeline's configuration, as every stage sees it
-        from pipeline.config import to_container
-        from pipeline.io import flatten
-
-        parent_run = StageRun(client, parent.info.run_id, None)
-        parent_run.log_params(flatten(to_container(cfg)))
-        parent_run.wait()
-    client.set_terminated(parent.info.run_id, "FINISHED")
-    return parent.info.run_id
-
-
-def _touch_parent(client, parent: str, status: str) -> None:
-    """Keep the pipeline run's end time and status current (FAILED sticks)."""
-    try:
-        current = client.get_run(parent).info.status
-        client.set_terminated(parent, "FAILED" if "FAILED" in (current, status) else "FINISHED")
-    except Exception:
-        pass  # a parent we cannot update (another user's run, a read-only store) is not fatal
-
-
 def dvc_invocation_key() -> str | None:
     """A key shared by every stage one DVC command runs, None outside DVC.
 
@@ -448,8 +387,3 @@ def dvc_invocation_key() -> str | None:
             return f"dvc-{pid}-{start}" + (f"-{exp}" if exp else "")
         pid = int(fields_after_comm[1])  # field 4: the parent's pid
     return None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -25,7 +25,6 @@ import io
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +43,9 @@ from pipeline.tracking import NO_TRACKING, NullRun
 
 TOTAL_STEPS = loop.TOTAL_STEPS
 CURVE = "curve.csv"  # step, epoch, loss, lr (dvc plots; the PNG in MLflow)
+
+# headline.json (dvc metrics show, dvc exp show): the mean loss of the last epoch
+HEADLINE = {"final_loss": "last_epoch_loss"}
 
 
 @dataclass
@@ -222,20 +224,16 @@ def _write_curve(path: Path, rows) -> None:
 
 
 def after(cfg, paths: Paths, tracker) -> None:
-    from pipeline import plots
-
-    if plots.available():
-        with tempfile.TemporaryDirectory(prefix="odt-plots-") as tmp:
-            png = plots.loss_curve(paths.out("train") / CURVE, Path(tmp) / "loss_curve.png",
-                                   title=f"on-device training ({cfg.device.name}, lr {cfg.optimizer.lr:g})")
-            tracker.log_artifact(png, "plots")
+    """The loss curve as a PNG (drawn where the tracking records are written)."""
+    tracker.log_plot("loss_curve", "loss_curve.png", {"title": f"on-device training ({cfg.device.name}, lr {cfg.optimizer.lr:g})"},
+                     {"curve_csv": paths.out("train") / CURVE})
 
 
 def main(argv=None) -> int:
     from pipeline.stage import main as stage_main
 
     return stage_main("train", run, argv, after=after,
-                      datasets={"user_train": "training"})
+                      datasets={"user_train": "training"}, headline=HEADLINE)
 
 
 if __name__ == "__main__":  # run the imported pipeline.<module>, whose classes the configuration holds (pipeline/stage.py)

@@ -11,7 +11,9 @@ runs there with this interpreter (ODT_PYTHON, see pipeline/stage.sh) and MLflow 
 configured (on by default, into the copy's own mlflow.db).
 
 Reported: wall time and CPU time (user + system, of DVC and every process it waited for) of
-each DVC command; per stage, the wall time from DVC's "Running stage" line to the next (the
+each DVC command, and the wall time until its tracking is complete (``python -m
+pipeline.mlflow_logger --wait`` returns: the stages' MLflow runs are written by one logging
+process per DVC command, which may finish a moment after DVC returns); per stage, the wall time from DVC's "Running stage" line to the next (the
 process's start, imports, tracking and DVC's own hashing included), the stage's own clock and
 its process's CPU time (its "done in" line); CPU time depends much less on other load on the
 machine than wall time does. And the SHA-256 of every output DVC records in dvc.lock,
@@ -38,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNING = re.compile(r"Running stage '(\w+)'")
+LOGGER = re.compile(r"run\(s\) written, ([0-9.]+) s CPU")  # the logging process's last line (pipeline/mlflow_logger.py)
 DONE = re.compile(r"^(\w+): done in ([0-9.]+) s(?: \(([0-9.]+) s CPU\))?")
 
 
@@ -59,6 +62,8 @@ def clone_like(source: Path, dest: Path) -> Path:
 
 def timed_dvc(repo: Path, env: dict, *args: str) -> dict:
     """Run ``dvc ARGS`` streaming its output; wall time, per-stage wall and own times."""
+    log = repo / ".mlflow-spool" / "logger.log"
+    logged_before = len(log.read_text(encoding="utf-8").splitlines()) if log.is_file() else 0
     t0 = time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, stdout=subprocess.PIPE,
@@ -80,15 +85,26 @@ def timed_dvc(repo: Path, env: dict, *args: str) -> dict:
                 own_cpu[m.group(1)] = float(m.group(3))
     proc.wait()
     wall = time.perf_counter() - t0
-    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     if proc.returncode != 0:
         sys.stdout.write("".join(lines))
         raise SystemExit(f"dvc {' '.join(args)} failed (exit {proc.returncode})")
+    waited = None
+    if (repo / "pipeline" / "mlflow_logger.py").is_file():  # (an older checkout's stages write MLflow themselves)
+        waited = subprocess.run([sys.executable, "-m", "pipeline.mlflow_logger", "--wait", "--timeout", "600"], cwd=repo, env=env,
+                                capture_output=True, text=True)
+    tracked = time.perf_counter() - t0
+    if waited is not None and waited.returncode != 0:
+        raise SystemExit(f"tracking of dvc {' '.join(args)} incomplete: {waited.stderr.strip()}")
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    log = repo / ".mlflow-spool" / "logger.log"
+    logger_lines = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []
+    logger_cpu = sum(float(m.group(1)) for m in map(LOGGER.search, logger_lines[logged_before:]) if m)
     ends = [t for _, t in starts[1:]] + [wall]
     stages = {name: {"wall_s": round(end - start, 2), "own_s": own.get(name), "cpu_s": own_cpu.get(name)}
               for (name, start), end in zip(starts, ends)}
-    return {"command": "dvc " + " ".join(args), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "stages": stages}
+    return {"command": "dvc " + " ".join(args), "wall_s": round(wall, 2), "tracked_wall_s": round(tracked, 2), "cpu_s": round(cpu, 2),
+            "logger_cpu_s": round(logger_cpu, 2), "stages": stages}
 
 
 def output_digests(repo: Path) -> dict[str, str]:
@@ -165,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['cpu']}, {report['cpus']} CPUs, load average {report['load_before'][0]:.1f} before, "
           f"{report['load_after'][0]:.1f} after")
     for run in report["runs"]:
-        print(f"{run['command']}: {run['wall_s']:.1f} s wall, {run['cpu_s']:.1f} s CPU (DVC and every process it waited for)")
+        print(f"{run['command']}: {run['wall_s']:.1f} s wall ({run['tracked_wall_s']:.1f} s until its tracking is complete), "
+              f"{run['cpu_s']:.1f} s CPU (DVC and every process it waited for) + {run['logger_cpu_s']:.1f} s CPU (the MLflow logging process)")
         for name, t in run["stages"].items():
             own = f"{t['own_s']:.1f} s" if t["own_s"] is not None else "-"
             cpu = f"{t['cpu_s']:.1f} s" if t.get("cpu_s") is not None else "-"

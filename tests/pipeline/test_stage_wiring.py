@@ -74,3 +74,41 @@ def test_outputs_other_stages_read_are_outputs_dvc_tracks():
     for path in named:
         rel = path.relative_to(ROOT).as_posix()
         assert any(rel == t or rel.startswith(t + "/") for t in tracked), rel
+
+
+def test_dvc_metrics_show_fits_a_terminal(tmp_path):
+    """`dvc metrics show` (DVC's own rendering) of the committed metrics: each stage's
+    headline.json, a few columns, under 200 characters wide; the detail stays in metrics.json."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    from pipeline.stage import write_headline
+
+    pytest.importorskip("dvc")
+    blocks = _dvc_stages()
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)
+    shown_keys = set()
+    for name, block in blocks.items():
+        for entry in block.get("metrics", []):
+            path = next(iter(entry)) if isinstance(entry, dict) else entry
+            headline = importlib.import_module(f"pipeline.{name}").HEADLINE
+            assert path == f"data/{name}/headline.json", name
+            (tmp_path / "data" / name).mkdir(parents=True)
+            shutil.copy(ROOT / "data" / name / "metrics.json", tmp_path / "data" / name / "metrics.json")  # the committed detail
+            write_headline(tmp_path / "data" / name, headline)
+            shown_keys |= set(headline)
+    out = subprocess.run([sys.executable, "-m", "dvc", "metrics", "show"], cwd=tmp_path, capture_output=True, text=True,
+                         env={**__import__("os").environ, "COLUMNS": "400", "DVC_NO_ANALYTICS": "1"}, check=True).stdout
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 200, out
+    header = lines[0].split()
+    assert header[0] == "Path", out
+    assert set(header[1:]) == shown_keys, out
+    assert len(lines) == 1 + sum(1 for b in blocks.values() if b.get("metrics")), out
+    assert "optimizer" not in out
+    assert "onnxruntime" not in out  # export's checks: metrics.json and MLflow only
