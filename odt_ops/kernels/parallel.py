@@ -2,9 +2,8 @@
 
 OpenBLAS parallelizes the matrix products; every other pass of a train step (activations,
 their gradients) runs on one core. ``elementwise`` makes a unary-style kernel run in chunks
-on a small pool, as many threads as BLAS is allowed (``OPENBLAS_NUM_THREADS``, or
-threadpoolctl's limit: the pipeline's ``device.threads`` sets it), for arrays of at least
-``MIN_ELEMENTS``.
+on a small pool of ``workers()`` threads (``ODT_ELEMENTWISE_THREADS``; off unless set, see
+``workers``), for arrays of at least ``MIN_ELEMENTS``.
 
 Bit-identical to one thread: each element is computed by the same code from the same
 inputs, since the chunks are cut along independent elements at multiples of ``ALIGN``
@@ -20,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from odt_ops.errors import ArgumentError
 
 # Measured on 2 Zen 4 cores under load (other processes on both): splitting np.exp/np.tanh over
 # 2 threads lost below ~2^18 float32 elements and gained 1.5x on tanh at 2^20; a pool hand-off
@@ -45,12 +46,29 @@ def _blas_controller():
     return _blas[0]
 
 
-def workers() -> int:
-    """Threads for a pass: the BLAS thread count in force now (OPENBLAS_NUM_THREADS without threadpoolctl)."""
+def blas_threads() -> int:
+    """The BLAS thread count in force now (OPENBLAS_NUM_THREADS without threadpoolctl)."""
     blas = _blas_controller()
     if blas is None:
         return max(1, int(os.environ.get("OPENBLAS_NUM_THREADS", "1") or 1))
     return max(1, int(blas.get_num_threads()))
+
+
+def workers() -> int:
+    """Threads for a large elementwise pass: ``ODT_ELEMENTWISE_THREADS`` (a count, or ``blas`` for
+    BLAS's own count); unset, 1: the pool is off. Off by default because it never won on 2 Zen 4
+    cores at 2 BLAS threads (scripts/elementwise_pool_ab.py, quiet machine): EfficientNet's train
+    step at batch 32 took 40.5 ms with it against 38.5 ms without, the small CNN's at batch 64
+    4.44 against 4.43 ms. OpenBLAS's idle workers spin on the cores the pool needs; it pays only
+    where cores are free of BLAS's threads."""
+    value = os.environ.get("ODT_ELEMENTWISE_THREADS", "").strip().lower()
+    if not value:
+        return 1
+    if value == "blas":
+        return blas_threads()
+    if not value.isdigit() or int(value) < 1:
+        raise ArgumentError(f"ODT_ELEMENTWISE_THREADS={value!r}: expected a thread count (1 or more) or 'blas'")
+    return int(value)
 
 
 def blas_description() -> str:

@@ -113,7 +113,7 @@ def _machine() -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{cpu}|numpy {np.__version__}|{parallel.blas_description()}|threads {parallel.workers()}"
+    return f"{cpu}|numpy {np.__version__}|{parallel.blas_description()}|threads {parallel.blas_threads()}"
 
 
 def cache_file() -> Path:

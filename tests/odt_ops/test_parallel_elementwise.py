@@ -1,10 +1,12 @@
 """Large elementwise passes split across threads (odt_ops/kernels/parallel.py) give the same
-bits as one thread, for every kernel that splits, and take their thread count from BLAS's."""
+bits as one thread, for every kernel that splits; the pool is off unless ODT_ELEMENTWISE_THREADS
+asks for it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from odt_ops.errors import ArgumentError
 from odt_ops.kernels import elementwise as ew
 from odt_ops.kernels import parallel
 from odt_ops.runtime.fusion.graph import bind, fused_node
@@ -63,9 +65,18 @@ def test_chunks_cover_the_array_at_aligned_starts_and_small_or_odd_operands_stay
     assert seen[-1] == 100 and len(seen) == 4
 
 
-def test_the_thread_count_is_blas_s(monkeypatch):
+def test_the_pool_is_off_unless_asked_and_then_takes_the_count_given_or_blas_s(monkeypatch):
+    monkeypatch.delenv("ODT_ELEMENTWISE_THREADS", raising=False)
+    assert parallel.workers() == 1
+    monkeypatch.setenv("ODT_ELEMENTWISE_THREADS", "3")
+    assert parallel.workers() == 3
     threadpoolctl = pytest.importorskip("threadpoolctl", reason="threadpoolctl sets BLAS's thread count here")
+    monkeypatch.setenv("ODT_ELEMENTWISE_THREADS", "blas")
     with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
         assert parallel.workers() == 1
     with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
         assert parallel.workers() == 2
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("ODT_ELEMENTWISE_THREADS", bad)
+        with pytest.raises(ArgumentError, match=rf"ODT_ELEMENTWISE_THREADS='{bad}': expected a thread count"):
+            parallel.workers()
