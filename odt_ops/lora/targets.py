@@ -17,6 +17,7 @@ from onnx import helper
 
 from odt_ops.domain import is_default
 from odt_ops.errors import LoraError
+from odt_ops.ir.graph import consumers, producers
 from odt_ops.lora.config import ADAPTABLE_OPS, LoraConfig
 
 _WEIGHT_INPUT = {"MatMul": 1, "Gemm": 1, "Conv": 1}
@@ -70,11 +71,7 @@ def _attr(node: onnx.NodeProto, name: str, default):
 def find_candidates(graph: onnx.GraphProto) -> dict[str, Target]:
     """Every weight that a MatMul, Gemm or Conv reads, by initializer name, in graph order."""
     inits = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    producer, readers = producers(graph.node), consumers(graph.node)
     found: dict[str, Target] = {}
     for node in graph.node:
         if not is_default(node.domain) or node.op_type not in ADAPTABLE_OPS or len(node.input) < 2:

@@ -25,6 +25,7 @@ from onnx import helper, numpy_helper
 from odt_ops.domain import is_default
 from odt_ops.errors import QuantizationError
 from odt_ops.ir.builder import unique_name
+from odt_ops.ir.graph import consumers, producers
 from odt_ops.ir.model import Model
 
 INTEGER_OPS = {"MatMulInteger": "MatMul", "ConvInteger": "Conv"}
@@ -39,11 +40,7 @@ def dequantize_integer_ops(model: Model) -> bool:
     if not integer:
         return False
     inits = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    producer, readers = producers(graph.node), consumers(graph.node)
     taken = {t.name for t in graph.initializer} | {n.name for n in graph.node} | {v for n in graph.node for v in (*n.input, *n.output)}
     taken |= {i.name for i in graph.input} | {o.name for o in graph.output}
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> what stands in its place (its position follows its inputs)
