@@ -42,3 +42,23 @@ def int4_weight_only(w: np.ndarray, block_size: int = 4, classes: int = 4) -> tu
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     onnx.checker.check_model(model, full_check=True)
     return model, scale
+
+
+def train_cycling(paths: dict, x: np.ndarray, y: np.ndarray, *, steps: int, lr: float, batch: int):
+    """``steps`` AdamW steps of the artifacts in ``paths`` over ``x``'s batches of ``batch`` rows in
+    turn; the state, the module (left in eval mode) and each step's loss."""
+    from odt_ops.api import CheckpointState, Module, Optimizer
+
+    state = CheckpointState.load_checkpoint(paths["checkpoint"])
+    module = Module(paths["training_model"], state, paths["eval_model"])
+    opt = Optimizer(paths["optimizer_model"], module)
+    opt.set_learning_rate(lr)
+    module.train()
+    losses = []
+    for i in range(steps):
+        rows = slice(i % (len(x) // batch) * batch, (i % (len(x) // batch) + 1) * batch)
+        module.lazy_reset_grad()
+        losses.append(float(module(x[rows], y[rows])))
+        opt.step()
+    module.eval()
+    return state, module, losses

@@ -14,10 +14,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from odt_ops import InferenceSession, artifacts, load_model
-from odt_ops.api import CheckpointState, Module, Optimizer
+from odt_ops.api import CheckpointState, Module
 from odt_ops.errors import QuantizationError
 from odt_ops.lora import LoraConfig, export_adapter, export_adapter_base, export_merged
 from odt_ops.quant.export import export_quantized
+from tests.lora.quantized_models import train_cycling
 from tests.lora.torch_models import data, export, make, nn, torch
 
 ort = pytest.importorskip("onnxruntime", reason="the quantize_dynamic models' oracle is onnxruntime")
@@ -41,18 +42,7 @@ def _ort(path, x):
 
 
 def _train(paths, x, y, steps, lr):
-    state = CheckpointState.load_checkpoint(paths["checkpoint"])
-    module = Module(paths["training_model"], state, paths["eval_model"])
-    opt = Optimizer(paths["optimizer_model"], module)
-    opt.set_learning_rate(lr)
-    module.train()
-    losses = []
-    for i in range(steps):
-        module.lazy_reset_grad()
-        losses.append(float(module(x[i % 2 * 16:(i % 2 + 1) * 16], y[i % 2 * 16:(i % 2 + 1) * 16])))
-        opt.step()
-    module.eval()
-    return state, module, losses
+    return train_cycling(paths, x, y, steps=steps, lr=lr, batch=16)
 
 
 @pytest.mark.parametrize("kind,per_channel", [("cnn", False), ("transformer", True)])

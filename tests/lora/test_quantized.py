@@ -14,11 +14,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from odt_ops import InferenceSession, artifacts, load_model
-from odt_ops.api import CheckpointState, Module, Optimizer
+from odt_ops.api import CheckpointState, Module
 from odt_ops.errors import QuantizationError
 from odt_ops.lora import LoraConfig, export_adapter, export_adapter_base, export_merged
 from odt_ops.quant.export import export_quantized
-from tests.lora.quantized_models import int4_weight_only, quantize_static
+from tests.lora.quantized_models import int4_weight_only, quantize_static, train_cycling
 from tests.lora.torch_models import data, export, make, torch
 
 ort = pytest.importorskip("onnxruntime", reason="the quantized models' oracle is onnxruntime")
@@ -128,18 +128,7 @@ def _ort(proto_or_path, x, optimized: bool = False):
 
 
 def _train(paths, x, y, steps=6, lr=0.02):
-    state = CheckpointState.load_checkpoint(paths["checkpoint"])
-    module = Module(paths["training_model"], state, paths["eval_model"])
-    opt = Optimizer(paths["optimizer_model"], module)
-    opt.set_learning_rate(lr)
-    module.train()
-    losses = []
-    for i in range(steps):
-        module.lazy_reset_grad()
-        losses.append(float(module(x[i % 4 * 8:(i % 4 + 1) * 8], y[i % 4 * 8:(i % 4 + 1) * 8])))
-        opt.step()
-    module.eval()
-    return state, module, losses
+    return train_cycling(paths, x, y, steps=steps, lr=lr, batch=8)
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")  # torch's quantized tensors are the oracle, deprecated or not
