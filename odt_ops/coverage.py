@@ -41,7 +41,7 @@ NOT_SUPPORTED: dict[str, str] = {
     **dict.fromkeys(["QLinearConv", "QLinearMatMul"], _QUANTIZED),
     **dict.fromkeys(["ConvInteger", "MatMulInteger"], "no kernel of its own: in onnxruntime's quantize_dynamic pattern (DynamicQuantizeLinear "
                     "-> it -> Cast -> Mul by the scales) it is rewritten at load into DequantizeLinear + MatMul/Conv "
-                    "(odt_ops/quant/integer_ops.py), which fine-tunes; other uses are refused there, naming the node"),
+                    "(odt_ops/ir/integer_ops.py), which fine-tunes; other uses are refused there, naming the node"),
     **dict.fromkeys(["ConcatFromSequence", "SequenceAt", "SequenceConstruct", "SequenceEmpty", "SequenceErase",
                      "SequenceInsert", "SequenceLength", "SplitToSequence", "Optional", "OptionalGetElement",
                      "OptionalHasElement"], _SEQUENCE),

@@ -18,8 +18,8 @@ from google.protobuf.message import DecodeError
 
 from odt_ops.errors import ModelCheckError, ModelFileNotFoundError, ModelLoadError, StaticBatchError, StaticBatchWarning, UnsupportedOpError
 from odt_ops.ir import control_flow, external, functions, passes, recurrent, static_batch
+from odt_ops.ir.integer_ops import dequantize_integer_ops
 from odt_ops.ir.model import TARGET_IR_VERSION, TARGET_OPSET, Model
-from odt_ops.quant.integer_ops import dequantize_integer_ops
 
 ModelSource = onnx.ModelProto | str | os.PathLike | bytes | Model
 
