@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -37,6 +36,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from odt_ops.kernels.parallel import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNING = re.compile(r"Running stage '(\w+)'")
@@ -120,16 +121,6 @@ def output_digests(repo: Path) -> dict[str, str]:
             for f in files:
                 digests[f.relative_to(repo).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
     return digests
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def compare(first: Path, second: Path) -> int:

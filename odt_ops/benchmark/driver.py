@@ -9,7 +9,6 @@ Nothing here is timed; only workers time themselves (see workers/harness.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -28,6 +27,7 @@ from odt_ops.benchmark import configs as cfgs
 from odt_ops.benchmark.peers import PEERS, PeerEnv, locate, repo_root, setup_peers
 from odt_ops.benchmark.report import render_tables, summarize, summarize_personalization
 from odt_ops.benchmark.workers.harness import RESULT_MARK
+from odt_ops.kernels.parallel import cpu_name
 
 SCHEMA = "odt-benchmark/2"  # 2: settings.threads is a list, results carry threads, "personalize" added
 DEFAULT_JSON = "benchmark.json"
@@ -158,13 +158,10 @@ def _batches(config: cfgs.Config, args: argparse.Namespace) -> list[int]:
 
 
 def machine_info() -> dict:
-    cpu = ""
-    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as lines:
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo_root())
     # the odt workers run the engine as it is in the work tree, uncommitted changes included
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "odt_ops"], capture_output=True, text=True, cwd=repo_root())
-    return {"platform": platform.platform(), "cpu": cpu or platform.processor(), "cores": os.cpu_count(),
+    return {"platform": platform.platform(), "cpu": cpu_name(), "cores": os.cpu_count(),
             "python": sys.version.split()[0], "git_commit": commit.stdout.strip() or None,
             "engine_modified": bool(dirty.stdout.strip()) if commit.returncode == 0 else None,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -12,8 +12,10 @@ whole array) and each chunk is the kernel run on a contiguous slice.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import platform
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +71,13 @@ def workers() -> int:
     if not value.isdigit() or int(value) < 1:
         raise ArgumentError(f"ODT_ELEMENTWISE_THREADS={value!r}: expected a thread count (1 or more) or 'blas'")
     return int(value)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what the platform module says."""
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as lines:
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    return platform.processor() or platform.machine()
 
 
 def blas_description() -> str:

@@ -37,7 +37,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,13 +106,7 @@ _RECORDED: list = []  # [the machine's recorded choices {key text: formulation}]
 
 def _machine() -> str:
     """What a choice depends on besides the shapes: the CPU, numpy, its BLAS and its threads."""
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}|numpy {np.__version__}|{parallel.blas_description()}|threads {parallel.blas_threads()}"
+    return f"{parallel.cpu_name()}|numpy {np.__version__}|{parallel.blas_description()}|threads {parallel.blas_threads()}"
 
 
 def cache_file() -> Path:
