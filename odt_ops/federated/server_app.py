@@ -113,23 +113,9 @@ class GuardedStrategy(fl.Strategy):
     # ---- who is who ----------------------------------------------------------------------------
     def _known_order(self, grid: Grid) -> list[int]:
         """Every connected node's id, ordered by client id (asking new nodes theirs once)."""
-        deadline = time.monotonic() + self.connect_timeout
-        nodes = list(grid.get_node_ids())
-        while len(nodes) < self.expected_clients and time.monotonic() < deadline:
-            time.sleep(0.2)
-            nodes = list(grid.get_node_ids())
-        unknown = [n for n in nodes if n not in self.client_of_node]
-        if unknown:
-            t0 = time.monotonic()
-            asks = [Message(RecordDict({ODT: ConfigRecord({"want": "client-id"})}), dst_node_id=n, message_type=MessageType.QUERY)
-                    for n in unknown]
-            for reply in grid.send_and_receive(asks, timeout=self.connect_timeout):
-                node = reply.metadata.src_node_id
-                if reply.has_error():
-                    log.warning("node %s did not say its client id (%s); it is left out", node, reply.error.reason)
-                    continue
-                self.client_of_node[node] = int(reply.content[ODT]["client-id"])
-            self.query_seconds += time.monotonic() - t0
+        t0 = time.monotonic()
+        nodes = ask_client_ids(grid, self.expected_clients, self.connect_timeout, self.client_of_node)
+        self.query_seconds += time.monotonic() - t0
         known = [n for n in nodes if n in self.client_of_node]
         return sorted(known, key=lambda n: (self.client_of_node[n], n))
 
@@ -278,6 +264,28 @@ def build_strategy(settings: FederationSettings, specs: Mapping[str, tuple[tuple
                            expected_clients=settings.clients, connect_timeout=settings.connect_timeout)
 
 
+def ask_client_ids(grid: Grid, expected: int, timeout: float, client_of_node: dict[int, int]) -> list[int]:
+    """The connected nodes' ids, once ``expected`` of them are connected (or ``timeout`` seconds
+    passed); each node not in ``client_of_node`` is asked its client id (a query message) and
+    added to it. A node that fails to answer is logged and left out of ``client_of_node``."""
+    deadline = time.monotonic() + timeout
+    nodes = list(grid.get_node_ids())
+    while len(nodes) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        nodes = list(grid.get_node_ids())
+    unknown = [n for n in nodes if n not in client_of_node]
+    if unknown:
+        asks = [Message(RecordDict({ODT: ConfigRecord({"want": "client-id"})}), dst_node_id=n, message_type=MessageType.QUERY)
+                for n in unknown]
+        for reply in grid.send_and_receive(asks, timeout=timeout):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log.warning("node %s did not say its client id (%s); it is left out", node, reply.error.reason)
+                continue
+            client_of_node[node] = int(reply.content[ODT]["client-id"])
+    return nodes
+
+
 @dataclass
 class FederationResult:
     """The final global parameters, every round's record and the last round's updates."""
@@ -321,14 +329,26 @@ def run_federation(grid: Grid, artifacts: str | os.PathLike, settings: Federatio
     enabled, Flower's SecAgg+ workflow runs the rounds (odt_ops.federated.secagg)."""
     t0 = time.monotonic()
     start = {k: np.asarray(v) for k, v in (initial or initial_parameters(artifacts)).items()}
+    # The clients answer before the server computes anything (its round-0 evaluation): Flower's
+    # simulation engine starts the ServerApp's thread first and Ray after it, and Ray starts its
+    # processes with fork(); a fork while numpy's OpenBLAS runs a threaded product in another
+    # thread takes BLAS's threads down under that product, which then waits for them forever
+    # (seen in CI: the round-0 evaluation hung, and the federation with it). Once a client has
+    # answered, Ray is up and forks no more.
+    client_of_node: dict[int, int] = {}
+    asked = time.monotonic()
+    ask_client_ids(grid, settings.clients, settings.connect_timeout, client_of_node)
+    first_contact = time.monotonic() - asked
     if settings.secagg.enabled:
         from odt_ops.federated.secagg import run_secure_federation
 
         context = context or Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
         params, rounds, initial_eval = run_secure_federation(grid, context, start, settings, evaluate_fn=evaluate_fn, progress=progress)
-        return FederationResult(params, rounds, initial_eval, {}, {}, time.monotonic() - t0)
+        return FederationResult(params, rounds, initial_eval, {}, client_of_node, time.monotonic() - t0)
     specs = {k: (tuple(v.shape), v.dtype) for k, v in start.items()}
     strategy = build_strategy(settings, specs)
+    strategy.client_of_node.update(client_of_node)
+    strategy.query_seconds += first_contact
     server_eval: dict[int, dict[str, float]] = {}
 
     def on_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:

@@ -302,3 +302,36 @@ def test_encode_reply_round_trip():
     assert back.num_examples == 12
     np.testing.assert_array_equal(back.tensors["w"], enc.tensors["w"])
     assert isinstance(ConfigRecord, type)
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["flower-strategy", "secagg"])
+def test_every_client_answers_before_the_server_computes(art, secure):
+    """run_federation asks each client its id before its round-0 evaluation. Under Flower's
+    simulation engine that is the moment Ray has finished starting its processes: Ray forks
+    them from another thread, and a fork during one of numpy's threaded OpenBLAS products hangs
+    that product for good (why: run_federation)."""
+    from flwr.app import MessageType
+
+    from odt_ops.federated.flower import SecAggSettings
+    from tests.federated.helpers import NodeGrid
+
+    events: list[tuple[str, object]] = []
+
+    class RecordingGrid(NodeGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            events.extend(("send", m.metadata.message_type) for m in messages)
+            return super().send_and_receive(messages, timeout=timeout)
+
+    data, (xt, yt) = blobs(4)
+    central = central_evaluation(art, xt, yt)
+
+    def evaluate(server_round, params):
+        events.append(("evaluate", server_round))
+        return central(server_round, params)
+
+    s = FederationSettings(rounds=1, clients=4, fraction_train=1.0, fraction_evaluate=1.0, lr=0.1, seed=5, secagg=SecAggSettings(enabled=secure))
+    res = run_federation(RecordingGrid(client_app(art, data), 4), art, s, evaluate_fn=evaluate)
+    assert events[:5] == [("send", MessageType.QUERY)] * 4 + [("evaluate", 0)]
+    assert ("evaluate", 1) in events  # and the federation ran on
+    assert sorted(res.clients.values()) == [0, 1, 2, 3]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sys
 
 import numpy as np
@@ -54,9 +55,44 @@ def test_population_is_made_on_demand_deterministic_and_disjoint_from_the_clouds
     assert max(max(s["class_mix"]) for s in styles) > 0.2  # label skew
 
 
+_FORKS_DURING_EVALUATION: list[int] = []
+_EVALUATING: list[bool] = []
+
+
+def _count_fork() -> None:
+    if _EVALUATING:
+        _FORKS_DURING_EVALUATION.append(os.getpid())
+
+
+os.register_at_fork(before=_count_fork)  # process-wide and permanent: it only counts while a test evaluates
+
+
 @pytest.mark.slow
-def test_simulated_federation_learns_and_is_bit_identical(generated, tmp_path):
+def test_simulated_federation_learns_and_is_bit_identical(generated, tmp_path, monkeypatch):
     cfg, paths = generated
+    import ray
+
+    from odt_ops.federated import task
+
+    ray_was_up = []
+    central_evaluation = task.central_evaluation
+
+    def watched_evaluation(*args, **kwargs):
+        evaluate = central_evaluation(*args, **kwargs)
+
+        def run(server_round, params):
+            # the server computes only once Ray is up: a fork (Ray starting its processes) during
+            # a threaded OpenBLAS product in this thread would hang it for good
+            ray_was_up.append(ray.is_initialized())
+            _EVALUATING.append(True)
+            try:
+                return evaluate(server_round, params)
+            finally:
+                _EVALUATING.clear()
+
+        return run
+
+    monkeypatch.setattr(task, "central_evaluation", watched_evaluation)
     runs = []
     for i in range(2):
         out = paths.redirect("federate", tmp_path / f"run{i}")
@@ -64,6 +100,8 @@ def test_simulated_federation_learns_and_is_bit_identical(generated, tmp_path):
         metrics = federate.run(cfg, out)
         runs.append((out.out("federate"), metrics))
     (a, ma), (b, mb) = runs
+    assert ray_was_up and all(ray_was_up), ray_was_up
+    assert not _FORKS_DURING_EVALUATION
     rows = list(csv.DictReader((a / "rounds.csv").read_text().splitlines()))
     assert [int(r["round"]) for r in rows] == [0, 1, 2, 3]
     assert all(int(r["participants"]) == 5 for r in rows[1:])
