@@ -206,7 +206,7 @@ def write_pending(directory: Path, writer) -> int:
     for path in pending(directory):
         files = directory / f"{path.stem}.files"
         try:
-            writer.write_run(loads(path.read_text(encoding="utf-8")))
+            writer.write_run(loads(path.read_text(encoding="utf-8")), spool_id=path.stem)
             path.unlink()
         except Exception as exc:  # one bad run must not stop the others
             failed = directory / "failed"

@@ -42,6 +42,9 @@ PIPELINE_KEY_TAG = "odt.pipeline_key"  # the pipeline run of one DVC command, fo
 PARENT_ENV = "ODT_PARENT_RUN_ID"  # the run a stage nests under when given (not MLFLOW_RUN_ID, which resumes a run)
 
 
+SPOOL_TAG = "odt.spool_run"  # the spooled file a run was written from
+
+
 def artifact_location(uri: str) -> str | None:
     """``mlartifacts/`` beside a SQLite store; None (the server decides) otherwise."""
     if uri.startswith("sqlite:///"):
@@ -72,20 +75,25 @@ class Writer:
         self._parents: dict[tuple[str, str], str] = {}
 
     # ------------------------------------------------------------------ a whole run
-    def write_run(self, records: list[dict]) -> str:
-        """Every record of one run (``start`` first, ``end`` last); returns the run id."""
+    def write_run(self, records: list[dict], spool_id: str | None = None) -> str:
+        """Every record of one run (``start`` first, ``end`` last); returns the run id.
+        ``spool_id`` names the spooled file the records came from (see ``start``)."""
         start, body, end = records[0], records[1:-1], records[-1]
         if start["op"] != "start" or end["op"] != "end":
             raise TrackingError("a spooled run must begin with 'start' and end with 'end'")
-        run_id, parent = self.start(start)
+        run_id, parent = self.start(start, spool_id)
         try:
             self.write(start, run_id, parent, body)
         finally:
             self.end(start, run_id, parent, end)
         return run_id
 
-    def start(self, start: dict) -> tuple[str, str | None]:
-        """Create the run (and find or create its parent); returns (run id, parent id)."""
+    def start(self, start: dict, spool_id: str | None = None) -> tuple[str, str | None]:
+        """Create the run (and find or create its parent); returns (run id, parent id).
+
+        A run from the spool carries its file's name (tag SPOOL_TAG): a logging process killed
+        while writing it leaves the file in the spool and a partial run in MLflow, and the next
+        one, writing the file again, deletes that partial run first, so the run appears once."""
         uri = start["uri"]
         client = self.client(uri)
         try:
@@ -94,6 +102,10 @@ class Writer:
             tags = dict(start["tags"])
             if parent:
                 tags["mlflow.parentRunId"] = parent
+            if spool_id:
+                tags[SPOOL_TAG] = spool_id
+                for partial in client.search_runs([experiment_id], filter_string=f"tags.`{SPOOL_TAG}` = '{spool_id}'"):
+                    client.delete_run(partial.info.run_id)
             run = client.create_run(experiment_id, start_time=start["start_time"], run_name=start["run_name"], tags=tags)
         except TrackingError:
             raise

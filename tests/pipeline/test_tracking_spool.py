@@ -19,6 +19,7 @@ import yaml
 
 from pipeline import config, mlflow_logger
 from pipeline.io import flatten
+from pipeline.mlflow_writer import SPOOL_TAG
 from tests.pipeline.conftest import REPO, TINY_RUN
 
 mlflow = pytest.importorskip("mlflow")
@@ -110,7 +111,7 @@ def test_spooled_runs_hold_what_the_stages_did_and_equal_the_direct_path(project
         timing = {"seconds", "steps_per_second", "seconds_per_round"}
         for key in set(s["metrics"]) - timing:
             assert s["metrics"][key] == d["metrics"][key], (stage, key)
-        skip = {"mlflow.parentRunId", "mlflow.runName"}
+        skip = {"mlflow.parentRunId", "mlflow.runName", SPOOL_TAG}  # the run's own: its parent, name and spooled file
         assert {k: v for k, v in s["tags"].items() if k not in skip} == {k: v for k, v in d["tags"].items() if k not in skip}, stage
 
     # the loss curve per step is curve.csv's
@@ -158,6 +159,25 @@ def test_a_run_mlflow_refuses_is_named_by_wait_and_kept(tmp_path, mlflow_store, 
     (run,) = client.search_runs([client.get_experiment_by_name("odt").experiment_id])
     assert (run.info.run_name, run.data.params, run.info.start_time, run.info.end_time) == ("evaluate", {"seed": "0"}, 1, 3)
 
+
+
+def test_a_run_whose_logger_was_killed_while_writing_it_appears_once(tmp_path, mlflow_store):
+    """A logging process killed between creating a run and removing its spooled file (here: the
+    run created, the file left) leaves a partial run in MLflow; the next logger writes the file
+    again and MLflow then holds that run once, finished, with all its records."""
+    from pipeline.mlflow_writer import Writer, dumps, loads
+
+    spool = tmp_path / mlflow_logger.SPOOL
+    spool.mkdir()
+    start = {"op": "start", "uri": mlflow_store, "experiment": "odt", "run_name": "train", "tags": {}, "start_time": 1,
+             "log_artifacts": True, "parent": None}
+    path = spool / "1-train.jsonl"
+    path.write_text(dumps([start, {"op": "params", "params": {"seed": "0"}}, {"op": "end", "status": "FINISHED", "end_time": 3}]))
+    Writer().start(loads(path.read_text())[0], spool_id=path.stem)  # the killed logger got this far
+    assert mlflow_logger.wait(spool) == []
+    client = mlflow.MlflowClient(tracking_uri=mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("odt").experiment_id])  # active runs only
+    assert (run.info.run_name, run.info.status, run.data.params, run.data.tags[SPOOL_TAG]) == ("train", "FINISHED", {"seed": "0"}, "1-train")
 
 def test_under_dvc_one_logging_process_writes_the_stages_runs(tmp_path):
     """`dvc repro convert` (prepare and convert) in a fresh clone with tracking on: neither stage
