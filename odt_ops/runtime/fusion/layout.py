@@ -21,6 +21,15 @@ a check), and a channels-last reader of a value from outside gets one ``ToChanne
 Graph inputs, outputs, parameters and checkpoints therefore keep ONNX's layout. A network
 without depthwise convolutions is left as it is.
 
+Why other k x k convolutions stay channels first (measured, not assumed): kernels/conv.py has a
+channels-last one-group convolution (``windows_channels_last``: one product of the windows), but
+admitting those convolutions here made every plan slower, single-threaded, batch 32, on an AMD EPYC
+Zen 4 under load: as seeds, UNet 1.19x and the small CNN 1.50x the step time (their regions end at
+the convolution itself: GroupNorm's Reshape, MaxPool and the weight gradients' window columns have
+no channels-last form yet, so every convolution paid a transpose each way, and the product is
+slower than ``conv``'s per-tap GEMMs with 16 output channels); joining the depthwise regions (the
+stems), MobileNetV3 1.01x and EfficientNet 1.05x.
+
 Equal to the graph as written: elementwise ops, the depthwise convolutions and the
 transposes compute the same values from the same operands (bit for bit); the statistics of
 BatchNormalization, its gradient, GlobalAveragePool, ReduceSum and the 1x1 convolutions' products

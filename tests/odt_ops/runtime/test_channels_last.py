@@ -129,6 +129,37 @@ def test_channels_last_depthwise_conv_is_the_conv_kernel_bit_for_bit_and_torchs(
     np.testing.assert_allclose(want, oracle, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel, strides, pads, dilations, bias", [
+    ((3, 3), [1, 1], [1, 1, 1, 1], [1, 1], True), ((3, 2), [2, 2], [0, 1, 2, 0], [1, 1], True),
+    ((3, 3), [1, 2], [2, 2, 2, 2], [2, 1], False), ((2, 2), [1, 1], [0, 0, 0, 0], [1, 1], True),
+    ((3, 3), [3, 1], [0, 0, 0, 0], [1, 1], False), ((5, 1), [2, 1], [2, 0, 1, 0], [1, 3], True)])
+def test_channels_last_one_group_conv_matches_torch(kernel, strides, pads, dilations, bias):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 5, 11, 9)).astype(np.float32)
+    w = rng.standard_normal((7, 5, *kernel)).astype(np.float32)
+    b = rng.standard_normal(7).astype(np.float32) if bias else None
+    got = conv_kernels.conv_channels_last(_last(x), w, b, strides=strides, pads=pads, dilations=dilations)[0]
+    padded = np.pad(x, [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])])
+    oracle = torch.nn.functional.conv2d(torch.from_numpy(padded), torch.from_numpy(w), None if b is None else torch.from_numpy(b),
+                                        stride=strides, dilation=dilations).numpy()
+    assert got.shape == _last(oracle).shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, _last(oracle), rtol=1e-5, atol=1e-5)
+
+
+def test_channels_last_one_group_conv_of_one_and_three_spatial_axes_matches_torch():
+    rng = np.random.default_rng(6)
+    x1, w1 = rng.standard_normal((2, 4, 13)).astype(np.float32), rng.standard_normal((6, 4, 3)).astype(np.float32)
+    got = conv_kernels.conv_channels_last(np.ascontiguousarray(x1.transpose(0, 2, 1)), w1, auto_pad="SAME_UPPER", strides=[2])[0]
+    # ONNX's SAME_UPPER: ceil(13 / 2) = 7 outputs need (7 - 1) * 2 + 3 - 13 = 2 pads, the odd one at the end
+    oracle = torch.nn.functional.conv1d(torch.from_numpy(np.pad(x1, [(0, 0), (0, 0), (1, 1)])), torch.from_numpy(w1), stride=2)
+    np.testing.assert_allclose(got, oracle.numpy().transpose(0, 2, 1), rtol=1e-5, atol=1e-5)
+    x3, w3 = rng.standard_normal((2, 3, 5, 6, 4)).astype(np.float32), rng.standard_normal((4, 3, 2, 3, 2)).astype(np.float32)
+    got = conv_kernels.conv_channels_last(np.ascontiguousarray(x3.transpose(0, 2, 3, 4, 1)), w3, pads=[1, 0, 1, 1, 2, 0])[0]
+    padded = np.pad(x3, [(0, 0), (0, 0), (1, 1), (0, 2), (1, 0)])
+    oracle = torch.nn.functional.conv3d(torch.from_numpy(padded), torch.from_numpy(w3)).numpy()
+    np.testing.assert_allclose(got, oracle.transpose(0, 2, 3, 4, 1), rtol=1e-5, atol=1e-5)
+
+
 def test_channels_last_pointwise_and_transposed_convs_match_torch():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, 5, 4, 7)).astype(np.float32)
