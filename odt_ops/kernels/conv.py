@@ -243,10 +243,45 @@ def is_depthwise_conv(channels: int, weight_shape: Sequence[int], group: int) ->
     return group > 1 and group == channels and len(weight_shape) > 2 and weight_shape[1] == 1
 
 
+def windows_channels_last(Xl: np.ndarray, W: np.ndarray, geo: WindowGeometry) -> np.ndarray:
+    """A one-group convolution channels last in and out, (N, *spatial, C) -> (N, *out, M), no bias,
+    as ONE matrix product: the windows (N * positions, taps * C) @ the weights (taps * C, M).
+
+    Channels last, a window is a few runs of C contiguous values (one per kernel row), so the
+    im2col copy is one ``np.copyto`` from a strided view of the padded input, and the product
+    lands already channels last: no per-image GEMMs, no layout shuffle. Images go through in
+    cache-sized slices (``batch_steps``) that reuse one column buffer."""
+    N, C, M = Xl.shape[0], Xl.shape[-1], W.shape[0]
+    rank, taps = len(geo.kernel), math.prod(geo.kernel)
+    if any(geo.begin) or any(r > n for r, n in zip(geo.reach, Xl.shape[1:-1])):
+        padded = np.zeros((N, *geo.reach, C), dtype=Xl.dtype)
+        pad_into(np.moveaxis(padded, -1, 1), np.moveaxis(Xl, -1, 1), geo)  # through channels-first views
+    else:
+        padded = Xl  # the windows stay inside the input
+    step = padded.strides[1:-1]
+    windows = as_strided(padded, shape=(N, *geo.out, *geo.kernel, C), writeable=False,
+                         strides=(padded.strides[0], *(p * s for p, s in zip(step, geo.strides)),
+                                  *(p * d for p, d in zip(step, geo.dilations)), padded.strides[-1]))
+    # (M, C, *kernel) -> (*kernel, C, M): row t * C + c multiplies window column t * C + c
+    weights = np.ascontiguousarray(W.transpose(*range(2, 2 + rank), 1, 0).reshape(taps * C, M), dtype=np.result_type(Xl, W))
+    positions = math.prod(geo.out)
+    Y = np.empty((N, positions, M), dtype=weights.dtype)
+    buffer = None
+    for batch in batch_steps(N, positions * taps * C * Xl.itemsize):
+        n = batch.stop - batch.start
+        if buffer is None:
+            buffer = np.empty((n, *geo.out, *geo.kernel, C), dtype=Xl.dtype)
+        columns = buffer[:n]
+        np.copyto(columns, windows[batch])
+        np.matmul(columns.reshape(n * positions, taps * C), weights, out=Y[batch].reshape(n * positions, M))
+    return Y.reshape(N, *geo.out, M)
+
+
 def conv_channels_last(Xl, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
-    """``conv`` of a depthwise or 1x1 convolution on and to channels-last arrays. Depthwise: the same
-    products and sums in the same order (the bias added per element as ``conv`` adds it), so the
-    same bits; 1x1: one matrix product, the same sums in BLAS's order."""
+    """``conv`` on and to channels-last arrays. Depthwise: the same products and sums in the same
+    order (the bias added per element as ``conv`` adds it), so the same bits; 1x1: one matrix
+    product, the same sums in BLAS's order; any other one-group convolution: ``windows_channels_last``,
+    the same products summed in BLAS's order."""
     geo = _conv_geometry(_nchw(Xl.shape), W, kernel_shape, group, strides=strides, dilations=dilations, pads=pads,
                          auto_pad=auto_pad)
     Xc, Wc, Bc = wide(Xl, W, B)
@@ -256,8 +291,10 @@ def conv_channels_last(Xl, W, B=None, *, auto_pad="NOTSET", dilations=None, grou
         Y = (Xc.reshape(-1, Xc.shape[-1]) @ Wc.reshape(Wc.shape[0], -1).T).reshape(*Xl.shape[:-1], Wc.shape[0])
     elif is_depthwise_conv(Xl.shape[-1], W.shape, group):
         Y = depthwise_channels_last(Xc, Wc, geo, group)
+    elif group == 1:
+        Y = windows_channels_last(Xc, Wc, geo)
     else:
-        raise ValueError(f"the channels-last Conv runs depthwise and 1x1 convolutions only, not weights {W.shape} in group {group}")
+        raise ValueError(f"the channels-last Conv runs one-group and depthwise convolutions only, not weights {W.shape} in group {group}")
     if Bc is not None:
         np.add(Y, Bc.astype(Y.dtype, copy=False), out=Y)
     return (Y.astype(Xl.dtype, copy=False),)

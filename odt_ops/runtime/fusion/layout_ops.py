@@ -142,3 +142,35 @@ def _depthwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
         return (out,)
 
     return run
+
+
+@fused_op("StrideOneWeightGrad")
+def _stride_one_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
+    """A one-group stride-1 2-D convolution's weight gradient, (1, C * taps, M), from channels-first
+    X (N, C, H, W) and dY (N, M, Ho, Wo), with no window columns: X zero-padded channels last and
+    flattened to (pixels, C) rows, dY laid on the same padded grid (zeros where no output is), and
+    per kernel tap one product planes[offset:]^T @ dY, the tap's flat offset into the planes. A
+    product's reads past an image's valid outputs meet dY's zeros; a guard of zero rows ends the
+    planes. ``kernel``, ``dilations``; ``pads``: (begin H, W, end H, W)."""
+    (kh, kw), (dh, dw), (top, left, bottom, right) = attrs["kernel"], attrs["dilations"], attrs["pads"]
+
+    def run(x, dy):
+        n, c, h, w = x.shape
+        m, ho, wo = dy.shape[1:]
+        hp, wp = h + top + bottom, w + left + right
+        if (ho, wo) != (hp - (kh - 1) * dh, wp - (kw - 1) * dw) or dy.shape[0] != n:
+            raise ValueError(f"an output gradient {dy.shape} does not match the {kh}x{kw} window over {x.shape} padded by {attrs['pads']}")
+        dtype = np.result_type(x, dy)
+        pixels, guard = n * hp * wp, (kh - 1) * dh * wp + (kw - 1) * dw
+        planes = np.zeros((pixels + guard, c), dtype=dtype)
+        planes[:pixels].reshape(n, hp, wp, c)[:, top:top + h, left:left + w] = x.transpose(0, 2, 3, 1)
+        grads = np.zeros((n, hp, wp, m), dtype=dtype)
+        grads[:, :ho, :wo] = dy.transpose(0, 2, 3, 1)
+        grads = grads.reshape(pixels, m)
+        out = np.empty((kh * kw, c, m), dtype=dtype)
+        for t, (i, j) in enumerate(np.ndindex(kh, kw)):
+            offset = i * dh * wp + j * dw
+            np.matmul(planes[offset:offset + pixels].T, grads, out=out[t])
+        return (np.ascontiguousarray(out.transpose(1, 0, 2)).reshape(1, c * kh * kw, m),)  # row c * taps + t, as the rule's columns
+
+    return run

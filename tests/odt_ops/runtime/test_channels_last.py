@@ -18,6 +18,7 @@ from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_
 from odt_ops.kernels.nn import batch_normalization
 from odt_ops.runtime.fusion import DOMAIN
 from odt_ops.runtime.fusion.layout import SUFFIX
+from odt_ops.runtime.fusion.layout_ops import _stride_one_weight_grad
 from odt_ops.runtime.plan import Plan
 
 torch = pytest.importorskip("torch", reason="PyTorch defines the benchmark's CNNs and is the kernels' oracle")
@@ -102,10 +103,24 @@ def test_channels_last_plan_trains_as_the_graph_as_written(tmp_path, name):
         np.testing.assert_allclose(g, r, rtol=1e-3, atol=1e-5, err_msg=name_)
 
 
-def test_a_cnn_without_depthwise_convolutions_is_left_channels_first(tmp_path):
-    proto, inputs, outputs, feeds = _artifacts("cnn-adamw", tmp_path)
+@pytest.mark.parametrize("name, weight_grads", [("cnn-adamw", 0), ("unet-adamw", 4)])
+def test_a_cnn_without_depthwise_convolutions_is_left_channels_first(tmp_path, name, weight_grads):
+    """Regular convolutions neither seed nor join a region: measured slower (layout.py's docstring);
+    their weight gradients from 16 input channels are one product per tap (StrideOneWeightGrad).
+    The fused plan trains as the graph as written and as onnxruntime runs the artifact graph."""
+    proto, inputs, outputs, feeds = _artifacts(name, tmp_path)
     plan = _plan(proto, inputs, outputs, fuse=True)
-    assert not {"ChannelsLast", "ToChannelsFirst", "ToChannelsLast"} & set(_layout_ops(plan))
+    ops = _layout_ops(plan)
+    assert not {"ChannelsLast", "ToChannelsFirst", "ToChannelsLast"} & set(ops)
+    assert ops["StrideOneWeightGrad"] == weight_grads  # UNet's 1-channel first layer keeps its window columns
+    for g, w, name_ in zip(plan.run(feeds), _plan(proto, inputs, outputs, fuse=False).run(feeds), outputs):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=name_)
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the spec oracle running the artifact graph")
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    given = {i.name for i in session.get_inputs()}
+    reference = session.run(outputs, {n: v for n, v in zip(inputs, feeds) if n in given})
+    for g, r, name_ in zip(plan.run(feeds), reference, outputs):
+        np.testing.assert_allclose(g, r, rtol=1e-3, atol=1e-5, err_msg=name_)
 
 
 def _last(x: np.ndarray) -> np.ndarray:
@@ -127,6 +142,54 @@ def test_channels_last_depthwise_conv_is_the_conv_kernel_bit_for_bit_and_torchs(
     oracle = torch.nn.functional.conv2d(torch.from_numpy(padded), torch.from_numpy(w), torch.from_numpy(b),
                                         stride=strides, dilation=dilations, groups=6).numpy()
     np.testing.assert_allclose(want, oracle, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel, strides, pads, dilations, bias", [
+    ((3, 3), [1, 1], [1, 1, 1, 1], [1, 1], True), ((3, 2), [2, 2], [0, 1, 2, 0], [1, 1], True),
+    ((3, 3), [1, 2], [2, 2, 2, 2], [2, 1], False), ((2, 2), [1, 1], [0, 0, 0, 0], [1, 1], True),
+    ((3, 3), [3, 1], [0, 0, 0, 0], [1, 1], False), ((5, 1), [2, 1], [2, 0, 1, 0], [1, 3], True)])
+def test_channels_last_one_group_conv_matches_torch(kernel, strides, pads, dilations, bias):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 5, 11, 9)).astype(np.float32)
+    w = rng.standard_normal((7, 5, *kernel)).astype(np.float32)
+    b = rng.standard_normal(7).astype(np.float32) if bias else None
+    got = conv_kernels.conv_channels_last(_last(x), w, b, strides=strides, pads=pads, dilations=dilations)[0]
+    padded = np.pad(x, [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])])
+    oracle = torch.nn.functional.conv2d(torch.from_numpy(padded), torch.from_numpy(w), None if b is None else torch.from_numpy(b),
+                                        stride=strides, dilation=dilations).numpy()
+    assert got.shape == _last(oracle).shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, _last(oracle), rtol=1e-5, atol=1e-5)
+
+
+def test_channels_last_one_group_conv_of_one_and_three_spatial_axes_matches_torch():
+    rng = np.random.default_rng(6)
+    x1, w1 = rng.standard_normal((2, 4, 13)).astype(np.float32), rng.standard_normal((6, 4, 3)).astype(np.float32)
+    got = conv_kernels.conv_channels_last(np.ascontiguousarray(x1.transpose(0, 2, 1)), w1, auto_pad="SAME_UPPER", strides=[2])[0]
+    # ONNX's SAME_UPPER: ceil(13 / 2) = 7 outputs need (7 - 1) * 2 + 3 - 13 = 2 pads, the odd one at the end
+    oracle = torch.nn.functional.conv1d(torch.from_numpy(np.pad(x1, [(0, 0), (0, 0), (1, 1)])), torch.from_numpy(w1), stride=2)
+    np.testing.assert_allclose(got, oracle.numpy().transpose(0, 2, 1), rtol=1e-5, atol=1e-5)
+    x3, w3 = rng.standard_normal((2, 3, 5, 6, 4)).astype(np.float32), rng.standard_normal((4, 3, 2, 3, 2)).astype(np.float32)
+    got = conv_kernels.conv_channels_last(np.ascontiguousarray(x3.transpose(0, 2, 3, 4, 1)), w3, pads=[1, 0, 1, 1, 2, 0])[0]
+    padded = np.pad(x3, [(0, 0), (0, 0), (1, 1), (0, 2), (1, 0)])
+    oracle = torch.nn.functional.conv3d(torch.from_numpy(padded), torch.from_numpy(w3)).numpy()
+    np.testing.assert_allclose(got, oracle.transpose(0, 2, 3, 4, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel, pads, dilations", [
+    ((3, 3), [1, 1, 1, 1], [1, 1]), ((3, 2), [0, 1, 2, 0], [1, 1]), ((3, 3), [2, 1, 2, 1], [2, 1]), ((2, 3), [1, 2, 0, 2], [2, 2]),
+    ((2, 2), [0, 0, 0, 0], [1, 1])])
+def test_stride_one_weight_grad_is_torchs_conv_weight_gradient(kernel, pads, dilations):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 5, 9, 8)).astype(np.float32)
+    w = torch.from_numpy(rng.standard_normal((7, 5, *kernel)).astype(np.float32)).requires_grad_()
+    padded = torch.from_numpy(np.pad(x, [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])]))
+    y = torch.nn.functional.conv2d(padded, w, dilation=dilations)
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    y.backward(torch.from_numpy(dy))
+    run = _stride_one_weight_grad({"kernel": list(kernel), "dilations": dilations, "pads": pads}, 17)
+    got = run(x, dy)[0]  # (1, C * taps, M), the rule's MatMul layout
+    assert got.shape == (1, 5 * kernel[0] * kernel[1], 7) and got.dtype == np.float32
+    np.testing.assert_allclose(got.reshape(5, -1, 7).transpose(2, 0, 1).reshape(w.shape), w.grad.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_channels_last_pointwise_and_transposed_convs_match_torch():
