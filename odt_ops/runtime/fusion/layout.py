@@ -366,13 +366,13 @@ def _stride_one_weight_grads(g: Graph) -> bool:
         gradient = g.producer(matmul.input[1], "Transpose")
         grads = g.producer(gradient.input[0], "Reshape") if gradient else None
         dy = g.producer(grads.input[0], "Transpose") if grads else None
-        if x is None or dy is None:
+        if columns is None or stack is None or x is None or gradient is None or grads is None or dy is None:
             continue
         attrs = node_attributes(stack)
-        kernel, shape = attrs["kernel"], g.ints(columns, 1, "shape")
+        kernel, shape, grads_shape = attrs["kernel"], g.ints(columns, 1, "shape"), g.ints(grads, 1, "shape")
         if len(kernel) != 2 or shape is None or len(shape) != 3 or shape[0] != 1 \
-                or shape[1] < _WEIGHT_GRAD_MIN_CHANNELS * kernel[0] * kernel[1] or g.ints(grads, 1, "shape") is None \
-                or g.ints(grads, 1, "shape")[0] != 1 or node_attributes(gradient).get("perm") != [0, 2, 1] \
+                or shape[1] < _WEIGHT_GRAD_MIN_CHANNELS * kernel[0] * kernel[1] or grads_shape is None \
+                or grads_shape[0] != 1 or node_attributes(gradient).get("perm") != [0, 2, 1] \
                 or any(node_attributes(t).get("perm") != [1, 0, 2, 3] for t in (x, dy)):
             continue
         fused = fused_node("StrideOneWeightGrad", [x.input[0], dy.input[0]], matmul.output,
