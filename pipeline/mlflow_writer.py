@@ -40,8 +40,6 @@ BATCH_METRICS, BATCH_PARAMS, BATCH_ENTITIES = 1000, 100, 1000  # MLflow's log_ba
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 PIPELINE_KEY_TAG = "odt.pipeline_key"  # the pipeline run of one DVC command, found by this tag
 PARENT_ENV = "ODT_PARENT_RUN_ID"  # the run a stage nests under when given (not MLFLOW_RUN_ID, which resumes a run)
-
-
 SPOOL_TAG = "odt.spool_run"  # the spooled file a run was written from
 
 

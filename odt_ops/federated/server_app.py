@@ -111,7 +111,7 @@ class GuardedStrategy(fl.Strategy):
         self.query_seconds = 0.0
 
     # ---- who is who ----------------------------------------------------------------------------
-    def _known_order(self, grid: Grid) -> list[int]:
+    def known_order(self, grid: Grid) -> list[int]:
         """Every connected node's id, ordered by client id (asking new nodes theirs once)."""
         t0 = time.monotonic()
         nodes = ask_client_ids(grid, self.expected_clients, self.connect_timeout, self.client_of_node)
@@ -124,7 +124,7 @@ class GuardedStrategy(fl.Strategy):
 
     # ---- training ------------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        order = self._known_order(grid)
+        order = self.known_order(grid)
         self._started[server_round] = time.monotonic()
         self._current = {k: v.numpy() for k, v in arrays.items()}
         self._current_hash = fingerprint(self._current, list(self.specs))
@@ -202,7 +202,7 @@ class GuardedStrategy(fl.Strategy):
 
     # ---- evaluation ----------------------------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        order = self._known_order(grid)
+        order = self.known_order(grid)
         with _seeded(self.seed, server_round, 2):
             messages = list(self.inner.configure_evaluate(server_round, arrays, config, _OrderedGrid(grid, order)))
         self._record(server_round).bytes_down += sum(m.content[ARRAYS].count_bytes() for m in messages if ARRAYS in m.content.array_records)
@@ -335,20 +335,17 @@ def run_federation(grid: Grid, artifacts: str | os.PathLike, settings: Federatio
     # thread takes BLAS's threads down under that product, which then waits for them forever
     # (seen in CI: the round-0 evaluation hung, and the federation with it). Once a client has
     # answered, Ray is up and forks no more.
-    client_of_node: dict[int, int] = {}
-    asked = time.monotonic()
-    ask_client_ids(grid, settings.clients, settings.connect_timeout, client_of_node)
-    first_contact = time.monotonic() - asked
     if settings.secagg.enabled:
         from odt_ops.federated.secagg import run_secure_federation
 
+        client_of_node: dict[int, int] = {}
+        ask_client_ids(grid, settings.clients, settings.connect_timeout, client_of_node)
         context = context or Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
         params, rounds, initial_eval = run_secure_federation(grid, context, start, settings, evaluate_fn=evaluate_fn, progress=progress)
         return FederationResult(params, rounds, initial_eval, {}, client_of_node, time.monotonic() - t0)
     specs = {k: (tuple(v.shape), v.dtype) for k, v in start.items()}
     strategy = build_strategy(settings, specs)
-    strategy.client_of_node.update(client_of_node)
-    strategy.query_seconds += first_contact
+    strategy.known_order(grid)  # the strategy's own first contact, timed in its query_seconds
     server_eval: dict[int, dict[str, float]] = {}
 
     def on_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:

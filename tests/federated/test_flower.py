@@ -21,13 +21,14 @@ from odt_ops.federated.flower import (
     ClientData,
     DPSettings,
     FederationSettings,
+    SecAggSettings,
     build_strategy,
     central_evaluation,
     client_app,
     encode_reply,
     run_federation,
 )
-from tests.federated.helpers import mlp_artifacts
+from tests.federated.helpers import NodeGrid, mlp_artifacts
 
 
 class LocalGrid:
@@ -310,11 +311,6 @@ def test_every_client_answers_before_the_server_computes(art, secure):
     simulation engine that is the moment Ray has finished starting its processes: Ray forks
     them from another thread, and a fork during one of numpy's threaded OpenBLAS products hangs
     that product for good (why: run_federation)."""
-    from flwr.app import MessageType
-
-    from odt_ops.federated.flower import SecAggSettings
-    from tests.federated.helpers import NodeGrid
-
     events: list[tuple[str, object]] = []
 
     class RecordingGrid(NodeGrid):

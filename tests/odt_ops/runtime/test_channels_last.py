@@ -63,6 +63,16 @@ def _layout_ops(plan: Plan) -> Counter:
                    for s in plan.steps if s.node.domain == DOMAIN)
 
 
+def _assert_matches_onnxruntime(proto, inputs, outputs, feeds, got) -> None:
+    """``got`` (a plan's outputs) against onnxruntime running the same artifact graph."""
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the spec oracle running the artifact graph")
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    given = {i.name for i in session.get_inputs()}
+    reference = session.run(outputs, {n: v for n, v in zip(inputs, feeds) if n in given})
+    for g, r, name_ in zip(got, reference, outputs):
+        np.testing.assert_allclose(g, r, rtol=1e-3, atol=1e-5, err_msg=name_)
+
+
 @pytest.mark.parametrize("name", ["mobilenetv3-adamw", "efficientnet-adamw"])
 def test_channels_last_plan_trains_as_the_graph_as_written(tmp_path, name):
     proto, inputs, outputs, feeds = _artifacts(name, tmp_path)
@@ -95,12 +105,7 @@ def test_channels_last_plan_trains_as_the_graph_as_written(tmp_path, name):
     for g, w in zip(eval_nhwc.run(eval_feeds), _plan(eval_proto, eval_inputs, eval_outputs, fuse=False).run(eval_feeds)):
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
-    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the spec oracle running the artifact graph")
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    given = {i.name for i in session.get_inputs()}
-    reference = session.run(outputs, {n: v for n, v in zip(inputs, feeds) if n in given})
-    for g, r, name_ in zip(got, reference, outputs):
-        np.testing.assert_allclose(g, r, rtol=1e-3, atol=1e-5, err_msg=name_)
+    _assert_matches_onnxruntime(proto, inputs, outputs, feeds, got)
 
 
 @pytest.mark.parametrize("name, weight_grads", [("cnn-adamw", 0), ("unet-adamw", 4)])
@@ -115,12 +120,7 @@ def test_a_cnn_without_depthwise_convolutions_is_left_channels_first(tmp_path, n
     assert ops["StrideOneWeightGrad"] == weight_grads  # UNet's 1-channel first layer keeps its window columns
     for g, w, name_ in zip(plan.run(feeds), _plan(proto, inputs, outputs, fuse=False).run(feeds), outputs):
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=name_)
-    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the spec oracle running the artifact graph")
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    given = {i.name for i in session.get_inputs()}
-    reference = session.run(outputs, {n: v for n, v in zip(inputs, feeds) if n in given})
-    for g, r, name_ in zip(plan.run(feeds), reference, outputs):
-        np.testing.assert_allclose(g, r, rtol=1e-3, atol=1e-5, err_msg=name_)
+    _assert_matches_onnxruntime(proto, inputs, outputs, feeds, plan.run(feeds))
 
 
 def _last(x: np.ndarray) -> np.ndarray:
