@@ -177,3 +177,35 @@ def test_a_read_only_cache_keeps_the_choice_for_the_process(monkeypatch, tmp_pat
     assert products.decide(A, B, "calibrate") == "swapped"
     monkeypatch.setattr(products, "calibrate", lambda A, B: ("direct", {}))
     assert products.decide(A, B, "calibrate") == "swapped"
+
+
+@pytest.mark.parametrize(("a_shape", "b_shape"), [
+    ((64, 16, 128), (128, 512)),     # a linear layer on a sequence
+    ((2, 3, 5, 7), (7, 4)),          # two stacking axes
+    ((2, 3, 5, 7), (1, 1, 7, 4)),    # B with leading axes of one (broadcast)
+    ((3, 5, 7), (1, 7, 4)),
+    ((0, 5, 7), (7, 4)),             # an empty stack
+    ((3, 5, 0), (0, 4)),             # K = 0: zeros
+])
+@pytest.mark.parametrize("record", [None, "calibrate"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_stack_times_one_matrix_is_numpys_matmul(a_shape, b_shape, record, transposed):
+    """[..., M, K] @ [K, N] runs as one [(...)*M, K] product; numpy's matmul (one BLAS call per
+    matrix of the stack) is the oracle for the values and the broadcast shape, also for a
+    non-contiguous stack (its last two axes a transposed view)."""
+    rng = np.random.default_rng(1)
+    A = rng.standard_normal(a_shape).astype(np.float32)
+    if transposed:
+        A = np.ascontiguousarray(np.swapaxes(A, -1, -2)).swapaxes(-1, -2)
+    B = rng.standard_normal(b_shape).astype(np.float32)
+    got = products.multiply(A, B, None if record is None else ProductRecord(record))
+    want = np.matmul(A, B)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_times_a_batch_stays_numpys_matmul():
+    """Two real stacks (attention's [B, H, S, D] @ [B, H, D, S]) are numpy's matmul, bit for bit."""
+    rng = np.random.default_rng(2)
+    A, B = rng.standard_normal((2, 3, 5, 7)).astype(np.float32), rng.standard_normal((2, 3, 7, 5)).astype(np.float32)
+    np.testing.assert_array_equal(products.multiply(A, B, ProductRecord("direct")), np.matmul(A, B))
