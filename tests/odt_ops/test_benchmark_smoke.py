@@ -32,6 +32,11 @@ def test_tiny_benchmark_run_writes_the_documented_json(tmp_path):
     assert doc["schema"] == "odt-benchmark/2"
     assert doc["settings"]["peers"] == ["odt", "ort-inference", "ort-training"]
     assert doc["settings"]["threads"] == [1]
+    # every module of odt_ops imports compiled, as pip-installed peers do (PYTHONDONTWRITEBYTECODE or not)
+    assert doc["settings"]["bytecode"] == {sys.executable: "compiled"}
+    sources = list((ROOT / "odt_ops").rglob("*.py"))
+    assert all(importlib.util.cache_from_source(str(f)) and Path(importlib.util.cache_from_source(str(f))).exists()
+               for f in sources), "a module of odt_ops has no bytecode after the run"
     assert not doc["peers"]["ort-training"]["available"]
     assert "--setup-peers" in doc["peers"]["ort-training"]["reason"]
     have_ort = importlib.util.find_spec("onnxruntime") is not None
