@@ -119,8 +119,10 @@ _RECORDED: list = []  # [the machine's recorded choices {key text: formulation}]
 
 
 def _machine() -> str:
-    """What a choice depends on besides the shapes: the CPU, numpy, its BLAS and its threads."""
-    return f"{parallel.cpu_name()}|numpy {np.__version__}|{parallel.blas_description()}|threads {parallel.blas_threads()}"
+    """What a choice depends on besides the shapes: the CPU, numpy, its BLAS and its threads, and
+    the candidates (a record made before a formulation existed never timed it)."""
+    return (f"{parallel.cpu_name()}|numpy {np.__version__}|{parallel.blas_description()}|threads {parallel.blas_threads()}"
+            f"|formulations {' '.join(FORMULATIONS)}")
 
 
 def cache_file() -> Path:

@@ -209,3 +209,15 @@ def test_a_batch_times_a_batch_stays_numpys_matmul():
     rng = np.random.default_rng(2)
     A, B = rng.standard_normal((2, 3, 5, 7)).astype(np.float32), rng.standard_normal((2, 3, 7, 5)).astype(np.float32)
     np.testing.assert_array_equal(products.multiply(A, B, ProductRecord("direct")), np.matmul(A, B))
+
+
+def test_a_record_made_before_a_formulation_existed_is_not_adopted(monkeypatch):
+    """An engine with more formulations times them again: the old record never tried them."""
+    rng = np.random.default_rng(3)
+    A, B = _operands(rng, 16, 784, 256, np.float32, "N", "N")
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("direct", {}))
+    products.decide(A, B, "calibrate")
+    _new_process(monkeypatch)
+    monkeypatch.setattr(products, "FORMULATIONS", (*products.FORMULATIONS, "newer"))
+    monkeypatch.setattr(products, "calibrate", lambda A, B: ("columns64", {}))
+    assert products.decide(A, B, "calibrate") == "columns64"
