@@ -74,12 +74,25 @@ def compute(A: np.ndarray, B: np.ndarray, how: str) -> np.ndarray:
     if how == "packed":
         return np.matmul(np.ascontiguousarray(A), np.ascontiguousarray(B))
     if how in COLUMN_BLOCKS:
-        width, N = COLUMN_BLOCKS[how], B.shape[1]
-        C = np.empty((A.shape[0], N), dtype=np.result_type(A, B))
-        for j in range(0, N, width):
-            np.matmul(A, B[:, j:j + width], out=C[:, j:j + width])
-        return C
+        return _column_blocks(A, B, np.empty((A.shape[0], B.shape[1]), dtype=np.result_type(A, B)), COLUMN_BLOCKS[how])
     return np.matmul(A, B)
+
+
+def compute_into(A: np.ndarray, B: np.ndarray, how: str, out: np.ndarray) -> None:
+    """``A @ B`` as the formulation ``how``, written into ``out`` (A @ B's shape and dtype): the
+    same bits as ``compute``."""
+    if how == "direct":
+        np.matmul(A, B, out=out)
+    elif how in COLUMN_BLOCKS:
+        _column_blocks(A, B, out, COLUMN_BLOCKS[how])
+    else:
+        np.copyto(out, compute(A, B, how))
+
+
+def _column_blocks(A: np.ndarray, B: np.ndarray, C: np.ndarray, width: int) -> np.ndarray:
+    for j in range(0, B.shape[1], width):
+        np.matmul(A, B[:, j:j + width], out=C[:, j:j + width])
+    return C
 
 
 def rule() -> str:
@@ -197,11 +210,15 @@ class ProductRecord:
         self.chosen: dict[Key, str] = {}
 
     def __call__(self, A: np.ndarray, B: np.ndarray) -> np.ndarray:
+        return compute(A, B, self.choose(A, B))
+
+    def choose(self, A: np.ndarray, B: np.ndarray) -> str:
+        """The formulation for 2-D A and B: this node's first choice for their key."""
         key = (*A.shape, B.shape[1], A.strides, B.strides, A.dtype.str, B.dtype.str)
         how = self.chosen.get(key)
         if how is None:
             how = self.chosen[key] = decide(A, B, self.how)
-        return compute(A, B, how)
+        return how
 
     def describe(self) -> list[str]:
         """One line per key: 'MxK @ KxN (layouts, dtype): formulation'."""

@@ -239,8 +239,13 @@ def test_cross_entropy_options_fused_equal_the_graph(tmp_path, case):
     assert ("SoftmaxCrossEntropyLossGrad" in fused.fusions) == fusable
 
 
-def test_gradients_are_computed_into_their_destinations(tmp_path):
-    directory = _generate(tmp_path, mlp((784, 32, 10)), trainable=["fc*"])
+@pytest.mark.parametrize("formulation", [None, "columns32", "swapped"])
+def test_gradients_are_computed_into_their_destinations(tmp_path, monkeypatch, formulation):
+    """Also when the weight gradients' products are forced to another formulation
+    (kernels/products.py): the writer computes the product its kernel would, into the destination."""
+    if formulation:
+        monkeypatch.setenv("ODT_GEMM", formulation)
+    directory = _generate(tmp_path, mlp((784, 96, 10)), trainable=["fc*"])
     plain, info = _training_plan(directory)
     grads = [info.gradients[p] for p in info.trainable]
     shapes = [a.shape for a in plain.run(_feeds(directory, info, *classification_data(4)))[1:]]
@@ -259,6 +264,10 @@ def test_gradients_are_computed_into_their_destinations(tmp_path):
             else:  # BLAS computes an F-ordered product as the transposed one: the same sums in another order
                 np.testing.assert_allclose(buffers[i], want[1 + i], rtol=1e-5, atol=1e-7, err_msg=g)
         np.testing.assert_array_equal(got[0], want[0])
+    if formulation:  # the writers multiplied through their nodes' records, as forced
+        chosen = [line for lines in plan.formulations().values() for line in lines]
+        assert sum(line.startswith("96x16 @ 16x784 TN") for line in chosen) == 1, chosen  # fc0.weight's gradient
+        assert all(line.endswith(f": {formulation}") for line in chosen), chosen
     # without destinations, the same plan returns fresh arrays and leaves the last ones alone
     before = [b.copy() for b in buffers]
     again = plan.run(_feeds(directory, info, *classification_data(16, seed=3)))
