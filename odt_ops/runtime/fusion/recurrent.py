@@ -20,6 +20,7 @@ of one without initial_h / initial_c). Any other step stays as written.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import onnx
@@ -27,6 +28,7 @@ import onnx
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import gru_cell as gru
 from odt_ops.kernels.lstm_cell import CELL_VALUES, GRAD_VALUES, lstm_cell, lstm_cell_grad
+from odt_ops.kernels.products import ProductRecord
 from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, bind, fused_node, fused_op, fusion, kernel_of
 
 
@@ -133,9 +135,16 @@ def _match_lstm_cell(g: Graph, sigmoid: onnx.NodeProto):
     return walk.nodes, [x, h, RT, c], dict(zip(CELL_VALUES, named)), {"hidden_size": H}
 
 
+def _product(op_type: str, opset: int, **attrs) -> Callable[..., tuple]:
+    """The MatMul or Gemm kernel with a record of its formulations (kernels/products.py), as the plan binds
+    that node: a product's formulation is chosen once per shape for the whole process, so the fused
+    node multiplies as the unrolled graph's node does (both meet the same shapes)."""
+    return functools.partial(kernel_of(op_type, opset, **attrs), _products=ProductRecord())
+
+
 @fused_op("LSTMCell")
 def _lstm_cell(attrs: dict, opset: int) -> Callable[..., tuple]:
-    matmul, sigmoid, tanh = kernel_of("MatMul", opset), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
+    matmul, sigmoid, tanh = _product("MatMul", opset), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
     hidden = int(attrs["hidden_size"])
     return lambda x, h, RT, c: lstm_cell(x, h, RT, c, hidden=hidden, matmul=matmul, sigmoid=sigmoid, tanh=tanh)
 
@@ -228,7 +237,7 @@ def _lstm_cell_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     tanh_grad, sigmoid_grad = _activation_grads(opset)
     gemm = None
     if "trans_b" in attrs:
-        gemm = kernel_of("Gemm", opset, transA=int(attrs["trans_a"]), transB=int(attrs["trans_b"]), alpha=float(attrs["alpha"]))
+        gemm = _product("Gemm", opset, transA=int(attrs["trans_a"]), transB=int(attrs["trans_b"]), alpha=float(attrs["alpha"]))
     carry = bool(attrs["carry"])
     return lambda *args: lstm_cell_grad(*args, gemm=gemm, carry=carry, tanh_grad=tanh_grad, sigmoid_grad=sigmoid_grad)
 
@@ -305,7 +314,7 @@ def _match_gru_cell(g: Graph, sigmoid: onnx.NodeProto):
 
 @fused_op("GRUCell")
 def _gru_cell(attrs: dict, opset: int) -> Callable[..., tuple]:
-    matmul, sigmoid, tanh = kernel_of("MatMul", opset), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
+    matmul, sigmoid, tanh = _product("MatMul", opset), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
     hidden = int(attrs["hidden_size"])
     return lambda *args: gru.gru_cell(*args, hidden=hidden, matmul=matmul, sigmoid=sigmoid, tanh=tanh)
 
