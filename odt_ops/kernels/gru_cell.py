@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from odt_ops.kernels.lstm_cell import Kernel, activations, sigmoid_grad_into, tanh_grad_into
+from odt_ops.kernels.lstm_cell import Kernel, activations, recurrent_product, sigmoid_grad_into, tanh_grad_into
+from odt_ops.kernels.products import ProductRecord
 
 # the values of one step, in the order the fused forward node lists them as outputs
 CELL_VALUES = ("product", "x_gates", "x_candidate", "h_gates", "h_candidate", "gates", "sigmoid", "update", "reset",
@@ -18,11 +19,12 @@ GRAD_VALUES = ("d_update_kept", "d_previous", "d_keep_new", "d_candidate", "d_ke
                "d_inner", "d_update", "d_gate_pair", "d_gates", "d_product", "d_x")
 
 
-def gru_cell(x, h, RT, recurrent_bias, one, *, hidden: int, matmul: Kernel, sigmoid: Kernel, tanh: Kernel) -> tuple:
+def gru_cell(x, h, RT, recurrent_bias, one, RT_rows=None, *, hidden: int, record: ProductRecord, sigmoid: Kernel,
+             tanh: Kernel) -> tuple:
     """z, r = sigmoid(x_zr + (h @ RT)_zr) split; n = tanh(x_n + r * ((h @ RT)_n + Rb_n));
-    h' = (1 - z) * n + z * h. Returns CELL_VALUES."""
+    h' = (1 - z) * n + z * h. Returns CELL_VALUES. ``RT_rows``: as lstm_cell's."""
     H = hidden
-    product = matmul(h, RT)[0]
+    product = recurrent_product(record, h, RT, RT_rows)
     x_gates, x_candidate = x[:, :2 * H], x[:, 2 * H:]  # Split's views
     h_gates, h_candidate = product[:, :2 * H], product[:, 2 * H:]
     gates = np.add(x_gates, h_gates)

@@ -14,6 +14,8 @@ from onnx import numpy_helper
 
 from odt_ops import artifacts
 from odt_ops.api import CheckpointState, Module, Optimizer
+from odt_ops.kernels import lstm_cell
+from odt_ops.kernels.products import ProductRecord
 from odt_ops.runtime import fusion
 from tests.odt_ops.test_recurrent import torch_counterparts
 
@@ -87,12 +89,13 @@ def test_fused_cells_train_bit_for_bit_as_the_unrolled_graph_and_like_torch(kind
     # direction's first step has no state coming in and stays as written
     cells = (T - 1) * (2 if bidirectional else 1)
     assert fused[f"{kind}Cell"] == cells and fused[f"{kind}CellGrad"] == cells, fused
+    assert fused["RowMajor"] == (2 if bidirectional else 1), fused  # one copy of each direction's R^T for its steps
 
     # the oracle for equality: the same artifacts through the plan without the pass
     with monkeypatch.context() as m:
         m.delitem(fusion.FUSIONS, f"{kind.lower()}_cell")
         plain_losses, plain_grads, plain_params, plain = _train(tmp_path, x, labels)
-    assert f"{kind}Cell" not in plain and f"{kind}CellGrad" not in plain
+    assert f"{kind}Cell" not in plain and f"{kind}CellGrad" not in plain and "RowMajor" not in plain
     for step in range(STEPS):
         np.testing.assert_array_equal(losses[step], plain_losses[step], err_msg=f"loss, step {step}")
         assert grads[step].keys() == plain_grads[step].keys()
@@ -121,3 +124,31 @@ def test_fused_cells_train_bit_for_bit_as_the_unrolled_graph_and_like_torch(kind
 def _torch_form(module: nn.Module, value: np.ndarray) -> int | None:
     """The index of the torch parameter form (tests/odt_ops/test_recurrent.py) an export wrote as ``value``."""
     return next((k for k, (v, _) in enumerate(torch_counterparts(module)) if v.shape == value.shape and np.array_equal(v, value)), None)
+
+
+class _OtherRounding(ProductRecord):
+    """A formulation that rounds differently from np.matmul (as a BLAS summing in another order would)."""
+
+    def __call__(self, A, B):
+        return np.nextafter(super().__call__(A, B), np.inf)
+
+
+def test_recurrent_product_multiplies_the_row_major_copy_only_where_a_probe_gives_the_same_bits():
+    """h @ RT on RT's row-major copy (one per sequence) replaces the product through the plan's formulation
+    (the oracle: the record's own h @ RT, which the unrolled graph's MatMul runs) only when a probe of
+    those shapes and layouts shows the same bits; a formulation that rounds otherwise keeps its product."""
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((5, 8)).astype(np.float32)
+    RT = rng.standard_normal((32, 8)).astype(np.float32).T  # the Transpose node's view of R
+    rows = np.ascontiguousarray(RT)
+    record = ProductRecord("direct")
+    want = record(h, RT)
+    np.testing.assert_array_equal(lstm_cell.recurrent_product(record, h, RT, rows), want)
+    # the copy is what gets multiplied when the probe agrees: a marked copy shows through
+    marked = rows.copy()
+    marked[0, 0] += 1
+    assert not np.array_equal(lstm_cell.recurrent_product(record, h, RT, marked), want)
+
+    other = _OtherRounding("direct")
+    RT3 = rng.standard_normal((24, 8)).astype(np.float32).T  # a key the probe has not met
+    np.testing.assert_array_equal(lstm_cell.recurrent_product(other, h, RT3, np.ascontiguousarray(RT3)), other(h, RT3))
