@@ -43,7 +43,9 @@ class Tagger(nn.Module):
         return self.head(y[:, -1] if self.batch_first else y[-1])
 
 
-def _export(module: nn.Module, x: np.ndarray) -> onnx.ModelProto:
+def _export(module: nn.Module, x: np.ndarray, exporter: str) -> onnx.ModelProto:
+    if exporter == "dynamo":
+        return torch.onnx.export(module, (torch.from_numpy(x),), dynamo=True, input_names=["x"], output_names=["logits"]).model_proto
     buffer = io.BytesIO()
     torch.onnx.export(module, (torch.from_numpy(x),), buffer, dynamo=False, opset_version=17, input_names=["x"],
                       output_names=["logits"], training=torch.onnx.TrainingMode.EVAL)
@@ -65,14 +67,15 @@ def _train(directory, x, labels) -> tuple[list, list[dict], dict, Counter]:
     return losses, grads, params, Counter(model.compiled_train.plan.fusions)
 
 
-@pytest.mark.parametrize("kind, batch_first, bidirectional", [("LSTM", True, False), ("LSTM", False, False), ("LSTM", True, True),
-                                                              ("GRU", True, False), ("GRU", False, True)])
-def test_fused_cells_train_bit_for_bit_as_the_unrolled_graph_and_like_torch(kind, batch_first, bidirectional, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, batch_first, bidirectional, exporter", [
+    ("LSTM", True, False, "torchscript"), ("LSTM", False, False, "torchscript"), ("LSTM", True, True, "torchscript"),
+    ("GRU", True, False, "torchscript"), ("GRU", False, True, "torchscript"), ("LSTM", True, True, "dynamo"), ("GRU", False, False, "dynamo")])
+def test_fused_cells_train_bit_for_bit_as_the_unrolled_graph_and_like_torch(kind, batch_first, bidirectional, exporter, tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, T, FEATURES) if batch_first else (T, BATCH, FEATURES)).astype(np.float32)
     labels = rng.integers(0, CLASSES, BATCH).astype(np.int64)
     module = Tagger(kind, batch_first, bidirectional).eval()
-    proto = _export(module, x)
+    proto = _export(module, x, exporter)
     assert kind in {n.op_type for n in proto.graph.node}
     # each initializer that is a torch parameter (in ONNX's layout), found by its exported value
     loss_fn = nn.CrossEntropyLoss()
@@ -152,3 +155,42 @@ def test_recurrent_product_multiplies_the_row_major_copy_only_where_a_probe_give
     other = _OtherRounding("direct")
     RT3 = rng.standard_normal((24, 8)).astype(np.float32).T  # a key the probe has not met
     np.testing.assert_array_equal(lstm_cell.recurrent_product(other, h, RT3, np.ascontiguousarray(RT3)), other(h, RT3))
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_fused_cells_with_sequence_lengths_train_bit_for_bit_as_the_unrolled_graph(op, tmp_path, monkeypatch):
+    """Per-row sequence lengths (a graph input: Where masks between the steps) and given initial states,
+    both directions, batch-first: the plan with the cell pass gives the unrolled graph's bits (the
+    unrolled graph's values are held to onnxruntime and finite differences in test_recurrent.py)."""
+    from tests.odt_ops.test_recurrent import recurrent_model
+
+    extra = {"linear_before_reset": 1} if op == "GRU" else {}
+    model, feeds = recurrent_model(op, T=5, batch=3, I=4, H=6, direction="bidirectional", layout=1, initial=True,
+                                   lens=[5, 2, 4], outputs=("Y",), **extra)
+    artifacts.generate_artifacts(model, requires_grad=["W", "R", "B"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
+    target = np.random.default_rng(1).standard_normal((3, 5, 2, 6)).astype(np.float32)
+    inputs = [feeds[n] for n in ("X", "sequence_lens", "initial_h", "initial_c") if n in feeds]
+
+    def train():
+        state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+        module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+        optimizer = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+        losses, grads = [], []
+        for _ in range(2):
+            losses.append(np.asarray(module(*inputs, target)).copy())
+            grads.append({n: p.grad.copy() for n, p in state.parameters.items() if p.requires_grad})
+            optimizer.step()
+            module.lazy_reset_grad()
+        return losses, grads, Counter(module.compiled_train.plan.fusions)
+
+    losses, grads, fused = train()
+    assert fused[f"{op}Cell"] == fused[f"{op}CellGrad"] == 10, fused  # every step of both directions: each has a state
+    with monkeypatch.context() as m:
+        m.delitem(fusion.FUSIONS, f"{op.lower()}_cell")
+        plain_losses, plain_grads, plain = train()
+    assert f"{op}Cell" not in plain
+    for step in range(2):
+        np.testing.assert_array_equal(losses[step], plain_losses[step], err_msg=f"loss, step {step}")
+        for name, grad in grads[step].items():
+            np.testing.assert_array_equal(grad, plain_grads[step][name], err_msg=f"{name} gradient, step {step}")
