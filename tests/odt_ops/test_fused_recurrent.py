@@ -1,7 +1,9 @@
-"""The fused LSTM and GRU cells (odt_ops/runtime/fusion/recurrent.py): PyTorch exports trained with
-AdamW through the plan with the lstm_cell / gru_cell pass and without it give the same bits (loss, every
-gradient, every parameter after each step), and both train as torch autograd and torch's AdamW
-do, within float32 rounding."""
+"""The fused LSTM and GRU cells (odt_ops/runtime/fusion/recurrent.py): PyTorch exports (TorchScript and
+dynamo exporters) trained with AdamW through the plan with the lstm_cell / gru_cell pass and without it
+give the same bits (loss, every gradient, every parameter after each step), and both train as torch
+autograd and torch's AdamW do, within float32 rounding; so do ONNX LSTM/GRU nodes with per-row
+sequence lengths and initial states; the cells' product on a row-major copy of R^T is used only where
+it gives the product's own bits."""
 from __future__ import annotations
 
 import io
