@@ -8,7 +8,11 @@ nodes by structure and puts one fused node in their place that runs the same ari
 (odt_ops/kernels/lstm_cell.py, gru_cell.py) without a kernel call, a plan line and a freed
 value per node: the benchmark's lstm-adamw plan has 124 nodes instead of 580. (What that saves is
 only the dispatch, some 6% of its train step at batch 16; the rest is the ufuncs and small
-products themselves, which the bit-for-bit contract keeps as they are.) Each fused node lists
+products themselves, which the bit-for-bit contract keeps as they are.) The pass also gives the
+cells of one direction a row-major copy of R^T, made once (a RowMajor node): OpenBLAS multiplies
+the step's [batch, H] state by the Transpose node's view of R at less than half the speed, and the
+cells use the copy only where a probe shows it gives the same bits (kernels/lstm_cell.py,
+recurrent_product). Each fused node lists
 every value of its nodes as an output, in a fixed order, with "" for the values nothing outside
 reads, so the rest of the graph (the next step, the gradient, the Concats of all steps) reads
 them under the same names.
@@ -20,13 +24,16 @@ of one without initial_h / initial_c). Any other step stays as written.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import numpy as np
 import onnx
 
 from odt_ops.ir.attributes import node_attributes
 from odt_ops.kernels import gru_cell as gru
 from odt_ops.kernels.lstm_cell import CELL_VALUES, GRAD_VALUES, lstm_cell, lstm_cell_grad
+from odt_ops.kernels.products import ProductRecord
 from odt_ops.runtime.fusion.graph import DOMAIN, STANDARD, Graph, bind, fused_node, fused_op, fusion, kernel_of
 
 
@@ -133,11 +140,48 @@ def _match_lstm_cell(g: Graph, sigmoid: onnx.NodeProto):
     return walk.nodes, [x, h, RT, c], dict(zip(CELL_VALUES, named)), {"hidden_size": H}
 
 
+def _product(op_type: str, opset: int, **attrs) -> Callable[..., tuple]:
+    """The MatMul or Gemm kernel with a record of its formulations (kernels/products.py), as the plan binds
+    that node: a product's formulation is chosen once per shape for the whole process, so the fused
+    node multiplies as the unrolled graph's node does (both meet the same shapes)."""
+    return functools.partial(kernel_of(op_type, opset, **attrs), _products=ProductRecord())
+
+
 @fused_op("LSTMCell")
 def _lstm_cell(attrs: dict, opset: int) -> Callable[..., tuple]:
-    matmul, sigmoid, tanh = kernel_of("MatMul", opset), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
+    record, sigmoid, tanh = ProductRecord(), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
     hidden = int(attrs["hidden_size"])
-    return lambda x, h, RT, c: lstm_cell(x, h, RT, c, hidden=hidden, matmul=matmul, sigmoid=sigmoid, tanh=tanh)
+    return lambda *args: lstm_cell(*args, hidden=hidden, record=record, sigmoid=sigmoid, tanh=tanh)
+
+
+@fused_op("RowMajor")
+def _row_major(attrs: dict, opset: int) -> Callable[..., tuple]:
+    return lambda X: (np.ascontiguousarray(X),)
+
+
+def _row_major_weights(g: Graph, op_type: str, inputs: int) -> bool:
+    """Give each ``op_type`` cell of ``inputs`` inputs one more: a row-major copy of its RT (input 2, a
+    transposed view of R), made by one RowMajor node per RT for all the steps that read it; the cells
+    multiply on it where that gives the same bits (kernels/lstm_cell.py, recurrent_product)."""
+    position = 2
+    cells = [n for n in g.nodes if n.op_type == op_type and n.domain == DOMAIN and len(n.input) == inputs]
+    if not cells:
+        return False
+    copies: dict[str, str] = {}
+    added = []
+    taken = {name for n in g.nodes for name in (*n.input, *n.output)}
+    for cell in cells:
+        RT = cell.input[position]
+        if RT not in copies:
+            name = f"{RT}/row_major"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            copies[RT] = name
+            added.append(fused_node("RowMajor", [RT], [name], f"fused/{name}"))
+        cell.input.append(copies[RT])
+    g.rewrite([*g.nodes, *added])  # the plan sorts the nodes again
+    return True
 
 
 # ---------------------------------------------------------------- LSTM: the gradient of a step
@@ -228,7 +272,7 @@ def _lstm_cell_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     tanh_grad, sigmoid_grad = _activation_grads(opset)
     gemm = None
     if "trans_b" in attrs:
-        gemm = kernel_of("Gemm", opset, transA=int(attrs["trans_a"]), transB=int(attrs["trans_b"]), alpha=float(attrs["alpha"]))
+        gemm = _product("Gemm", opset, transA=int(attrs["trans_a"]), transB=int(attrs["trans_b"]), alpha=float(attrs["alpha"]))
     carry = bool(attrs["carry"])
     return lambda *args: lstm_cell_grad(*args, gemm=gemm, carry=carry, tanh_grad=tanh_grad, sigmoid_grad=sigmoid_grad)
 
@@ -241,6 +285,7 @@ def _lstm_cells(g: Graph) -> bool:
     """Every matched LSTM step -> one LSTMCell node; every matched step of its gradient -> one LSTMCellGrad
     (after activation_grad, whose SigmoidGrad and TanhGrad nodes it matches)."""
     return (_fuse_each(g, "Sigmoid", STANDARD, _match_lstm_cell, "LSTMCell", CELL_VALUES)
+            | _row_major_weights(g, "LSTMCell", 4)
             | _fuse_each(g, "Concat", STANDARD, _match_lstm_cell_grad, "LSTMCellGrad", GRAD_VALUES))
 
 
@@ -305,9 +350,9 @@ def _match_gru_cell(g: Graph, sigmoid: onnx.NodeProto):
 
 @fused_op("GRUCell")
 def _gru_cell(attrs: dict, opset: int) -> Callable[..., tuple]:
-    matmul, sigmoid, tanh = kernel_of("MatMul", opset), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
+    record, sigmoid, tanh = ProductRecord(), kernel_of("Sigmoid", opset), kernel_of("Tanh", opset)
     hidden = int(attrs["hidden_size"])
-    return lambda *args: gru.gru_cell(*args, hidden=hidden, matmul=matmul, sigmoid=sigmoid, tanh=tanh)
+    return lambda *args: gru.gru_cell(*args, hidden=hidden, record=record, sigmoid=sigmoid, tanh=tanh)
 
 
 def _match_gru_cell_grad(g: Graph, sigmoid_grad: onnx.NodeProto):
@@ -370,4 +415,5 @@ def _gru_cells(g: Graph) -> bool:
     """Every matched GRU step -> one GRUCell node; every matched step of its gradient -> one GRUCellGrad
     (after activation_grad, whose SigmoidGrad and TanhGrad nodes it matches)."""
     return (_fuse_each(g, "Sigmoid", STANDARD, _match_gru_cell, "GRUCell", gru.CELL_VALUES)
+            | _row_major_weights(g, "GRUCell", 5)
             | _fuse_each(g, "SigmoidGrad", (DOMAIN,), _match_gru_cell_grad, "GRUCellGrad", gru.GRAD_VALUES))
