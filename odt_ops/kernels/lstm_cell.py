@@ -79,21 +79,22 @@ def _same_bits(record: ProductRecord, h: np.ndarray, RT: np.ndarray) -> bool:
 
 def tanh_grad_into(dY, Y, one, out, tanh_grad: Kernel):
     """TanhGrad(dY, Y, one) written into ``out``: activation_grad's ufuncs t = Y * Y; t = 1 - t; dY * t."""
-    if Y.dtype not in FAST or one.dtype != Y.dtype:
-        np.copyto(out, tanh_grad(dY, Y, one)[0])
-        return out
-    t = np.multiply(Y, Y)
-    np.subtract(one, t, out=t)
-    return np.multiply(dY, t, out=out)
+    return _grad_into(dY, Y, one, out, tanh_grad, lambda t: (np.multiply(Y, Y, out=t), np.subtract(one, t, out=t)))
 
 
 def sigmoid_grad_into(dY, Y, one, out, sigmoid_grad: Kernel):
     """SigmoidGrad(dY, Y, one) written into ``out``: activation_grad's ufuncs t = 1 - Y; t = Y * t; dY * t."""
+    return _grad_into(dY, Y, one, out, sigmoid_grad, lambda t: (np.subtract(one, Y, out=t), np.multiply(Y, t, out=t)))
+
+
+def _grad_into(dY, Y, one, out, kernel: Kernel, factor: Callable[[np.ndarray], object]):
+    """dY * factor(Y) into ``out``: ``factor`` writes the activation's derivative into its scratch
+    array with the kernel's ufuncs in the kernel's order (FAST dtypes; others run the kernel)."""
     if Y.dtype not in FAST or one.dtype != Y.dtype:
-        np.copyto(out, sigmoid_grad(dY, Y, one)[0])
+        np.copyto(out, kernel(dY, Y, one)[0])
         return out
-    t = np.subtract(one, Y)
-    np.multiply(Y, t, out=t)
+    t = np.empty_like(Y)
+    factor(t)
     return np.multiply(dY, t, out=out)
 
 

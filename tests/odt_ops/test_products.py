@@ -144,13 +144,22 @@ def test_a_calibrated_choice_is_recorded_so_the_next_process_on_the_machine_adop
     assert [products.decide(A, B, "calibrate"), products.decide(C, D, "calibrate")] == ["packed", "swapped"]
 
 
-def test_another_machine_or_blas_build_does_not_adopt_the_choice(monkeypatch):
+def _another_machine(monkeypatch):
+    monkeypatch.setattr(products, "_machine", lambda: "another CPU|numpy 2|openblas Haswell|threads 1")
+
+
+def _more_formulations(monkeypatch):  # an engine that has formulations the record never timed
+    monkeypatch.setattr(products, "FORMULATIONS", (*products.FORMULATIONS, "newer"))
+
+
+@pytest.mark.parametrize("change", [_another_machine, _more_formulations], ids=["another machine or BLAS build", "more formulations"])
+def test_a_record_made_under_other_conditions_is_not_adopted(monkeypatch, change):
     rng = np.random.default_rng(3)
     A, B = _operands(rng, 64, 784, 256, np.float32, "N", "T")
     monkeypatch.setattr(products, "calibrate", lambda A, B: ("packed", {}))
     products.decide(A, B, "calibrate")
     _new_process(monkeypatch)
-    monkeypatch.setattr(products, "_machine", lambda: "another CPU|numpy 2|openblas Haswell|threads 1")
+    change(monkeypatch)
     monkeypatch.setattr(products, "calibrate", lambda A, B: ("direct", {}))
     assert products.decide(A, B, "calibrate") == "direct"
 
@@ -210,14 +219,3 @@ def test_a_batch_times_a_batch_stays_numpys_matmul():
     A, B = rng.standard_normal((2, 3, 5, 7)).astype(np.float32), rng.standard_normal((2, 3, 7, 5)).astype(np.float32)
     np.testing.assert_array_equal(products.multiply(A, B, ProductRecord("direct")), np.matmul(A, B))
 
-
-def test_a_record_made_before_a_formulation_existed_is_not_adopted(monkeypatch):
-    """An engine with more formulations times them again: the old record never tried them."""
-    rng = np.random.default_rng(3)
-    A, B = _operands(rng, 16, 784, 256, np.float32, "N", "N")
-    monkeypatch.setattr(products, "calibrate", lambda A, B: ("direct", {}))
-    products.decide(A, B, "calibrate")
-    _new_process(monkeypatch)
-    monkeypatch.setattr(products, "FORMULATIONS", (*products.FORMULATIONS, "newer"))
-    monkeypatch.setattr(products, "calibrate", lambda A, B: ("columns64", {}))
-    assert products.decide(A, B, "calibrate") == "columns64"
