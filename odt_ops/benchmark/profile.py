@@ -2,7 +2,8 @@
 and how its memory grows with the batch: ``... --config cnn-adamw --memory 8 32 128``; and what
 fine-tuning costs in memory by mode: ``... --config transformer-adamw --memory 32 --modes full lora``.
 
-In one process (single-threaded BLAS, set before numpy loads): the step split into
+In one process (``--threads N`` BLAS and OpenMP threads, default 1, set before numpy loads;
+compare two counts to see which nodes scale): the step split into
 Module call (forward + backward plan), Optimizer.step and lazy_reset_grad; the time of
 every node of the training plan (each kernel wrapped in a timer, so the rest of the
 Module call is the engine's Python overhead); then cProfile's top functions. It reads
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from odt_ops.benchmark.driver import ONE_THREAD
-from odt_ops.kernels import products
+from odt_ops.benchmark.driver import thread_env
+from odt_ops.kernels import parallel, products
 
 
 def _session(config, directory: str, batch: int):
@@ -110,7 +111,8 @@ def profile(config_name: str, batch: int, steps: int, top: int) -> str:
         plan = module.compiled_train.plan
         nodes = _node_times(plan, lambda: module(x, y), steps)
         kernel_ms = sum(ms for _, ms in nodes.values())
-        lines.append(f"{config.name} ({config.description}), batch {batch}, {steps} steps, {len(plan.steps)} plan nodes")
+        lines.append(f"{config.name} ({config.description}), batch {batch}, {steps} steps, {len(plan.steps)} plan nodes, "
+                     f"{parallel.blas_threads()} BLAS thread(s)")
         lines.append(f"train step {step_ms:.3f} ms = Module call {call_ms:.3f} + Optimizer.step {opt_ms:.3f} "
                      f"+ lazy_reset_grad {reset_ms:.4f} (medians; the parts need not add up exactly)")
         lines.append(f"Module call: kernels {kernel_ms:.3f} ms (sum of node medians), the rest {call_ms - kernel_ms:.3f} ms "
@@ -344,11 +346,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", choices=["full", "lora", "qat"],
                    help="with --memory: peak memory of fine-tuning in each mode (full, lora, qat: a QDQ model from "
                         "onnxruntime.quantization with float master weights) at the first batch given")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="BLAS and OpenMP threads (default 1), as the benchmark's --threads sets them")
     args = p.parse_args(argv)
-    if any(os.environ.get(k) != v for k, v in ONE_THREAD.items()):
-        # BLAS reads its thread count when numpy loads (already, via odt_ops): start again with one
+    if args.threads < 1:
+        p.error("--threads must be >= 1")
+    wanted = thread_env(args.threads)
+    if any(os.environ.get(k) != v for k, v in wanted.items()):
+        # BLAS reads its thread count when numpy loads (already, via odt_ops): start again with the count
         argv = sys.argv[1:] if argv is None else argv
-        os.execve(sys.executable, [sys.executable, "-m", "odt_ops.benchmark.profile", *argv], {**os.environ, **ONE_THREAD})
+        os.execve(sys.executable, [sys.executable, "-m", "odt_ops.benchmark.profile", *argv], {**os.environ, **wanted})
     if args.modes and not args.memory:
         p.error("--modes needs --memory BATCH")
     if args.modes:

@@ -135,3 +135,15 @@ def test_memory_report_counts_the_activations_the_backward_reads():
     assert saved4 >= 4 * (784 + 128) * 4 / 1024 - 0.1
     assert peak4 >= saved4
     assert peak8 >= saved8
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_profile_runs_at_the_thread_count_asked(threads):
+    """`profile --threads N` starts again with every thread variable at N before numpy loads, so BLAS
+    (as threadpoolctl reads it) runs N threads; the report's header says how many."""
+    cmd = [sys.executable, "-m", "odt_ops.benchmark.profile", "--config", "mlp-sgd", "--batch", "4", "--steps", "2",
+           "--top", "1", "--threads", str(threads)]
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f", {threads} BLAS thread(s)" in proc.stdout.splitlines()[0]
