@@ -147,11 +147,14 @@ def _depthwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
 @fused_op("StrideOneWeightGrad")
 def _stride_one_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     """A one-group stride-1 2-D convolution's weight gradient, (1, C * taps, M), from channels-first
-    X (N, C, H, W) and dY (N, M, Ho, Wo), with no window columns: X zero-padded channels last and
-    flattened to (pixels, C) rows, dY laid on the same padded grid (zeros where no output is), and
-    per kernel tap one product planes[offset:]^T @ dY, the tap's flat offset into the planes. A
-    product's reads past an image's valid outputs meet dY's zeros; a guard of zero rows ends the
-    planes. ``kernel``, ``dilations``; ``pads``: (begin H, W, end H, W)."""
+    X (N, C, H, W) and dY (N, M, Ho, Wo), with no window columns: X zero-padded and flattened per
+    channel over the whole batch to (C, pixels) planes, dY laid on the same padded grid as (pixels, M)
+    rows (zeros where no output is), and per kernel tap one product planes[:, offset:] @ dY, the tap's
+    flat offset into the planes. A product's reads past an image's valid outputs meet dY's zeros; a
+    guard of zero columns ends the planes. Channel-major planes, not pixel-major ones: they are copied
+    in runs of W from X (a channels-last copy moved one value at a time: 2.4 of the 11 ms of UNet's
+    32-channel 32x32 layer at batch 32), and BLAS ran the tap products 1.2-1.5x faster this way round
+    (AMD EPYC Zen 4, one thread). ``kernel``, ``dilations``; ``pads``: (begin H, W, end H, W)."""
     (kh, kw), (dh, dw), (top, left, bottom, right) = attrs["kernel"], attrs["dilations"], attrs["pads"]
 
     def run(x, dy):
@@ -162,15 +165,15 @@ def _stride_one_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
             raise ValueError(f"an output gradient {dy.shape} does not match the {kh}x{kw} window over {x.shape} padded by {attrs['pads']}")
         dtype = np.result_type(x, dy)
         pixels, guard = n * hp * wp, (kh - 1) * dh * wp + (kw - 1) * dw
-        planes = np.zeros((pixels + guard, c), dtype=dtype)
-        planes[:pixels].reshape(n, hp, wp, c)[:, top:top + h, left:left + w] = x.transpose(0, 2, 3, 1)
+        planes = np.zeros((c, pixels + guard), dtype=dtype)
+        planes[:, :pixels].reshape(c, n, hp, wp)[:, :, top:top + h, left:left + w] = x.transpose(1, 0, 2, 3)
         grads = np.zeros((n, hp, wp, m), dtype=dtype)
         grads[:, :ho, :wo] = dy.transpose(0, 2, 3, 1)
         grads = grads.reshape(pixels, m)
-        out = np.empty((kh * kw, c, m), dtype=dtype)
+        out = np.empty((c, kh * kw, m), dtype=dtype)  # row c * taps + t, as the rule's columns
         for t, (i, j) in enumerate(np.ndindex(kh, kw)):
             offset = i * dh * wp + j * dw
-            np.matmul(planes[offset:offset + pixels].T, grads, out=out[t])
-        return (np.ascontiguousarray(out.transpose(1, 0, 2)).reshape(1, c * kh * kw, m),)  # row c * taps + t, as the rule's columns
+            np.matmul(planes[:, offset:offset + pixels], grads, out=out[:, t])
+        return (out.reshape(1, c * kh * kw, m),)
 
     return run
