@@ -144,13 +144,19 @@ def _depthwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     return run
 
 
+# ``StrideOneWeightGrad`` takes its tap products over blocks of pixels whose planes and output gradient
+# fill about this much (a core's L2 is 1 MiB on Zen 4): every tap then reads the block from cache.
+# Measured on UNet's layers, batch 32, one thread: 0.75-0.8x the time of whole-batch products.
+_BLOCK_BYTES = 1 << 18
+
+
 @fused_op("StrideOneWeightGrad")
 def _stride_one_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     """A one-group stride-1 2-D convolution's weight gradient, (1, C * taps, M), from channels-first
     X (N, C, H, W) and dY (N, M, Ho, Wo), with no window columns: X zero-padded and flattened per
     channel over the whole batch to (C, pixels) planes, dY laid on the same padded grid as (pixels, M)
     rows (zeros where no output is), and per kernel tap one product planes[:, offset:] @ dY, the tap's
-    flat offset into the planes. A product's reads past an image's valid outputs meet dY's zeros; a
+    flat offset into the planes, taken over cache-sized blocks of pixels and summed. A product's reads past an image's valid outputs meet dY's zeros; a
     guard of zero columns ends the planes. Channel-major planes, not pixel-major ones: they are copied
     in runs of W from X (a channels-last copy moved one value at a time: 2.4 of the 11 ms of UNet's
     32-channel 32x32 layer at batch 32), and BLAS ran the tap products 1.2-1.5x faster this way round
@@ -170,10 +176,16 @@ def _stride_one_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
         grads = np.zeros((n, hp, wp, m), dtype=dtype)
         grads[:, :ho, :wo] = dy.transpose(0, 2, 3, 1)
         grads = grads.reshape(pixels, m)
-        out = np.empty((c, kh * kw, m), dtype=dtype)  # row c * taps + t, as the rule's columns
-        for t, (i, j) in enumerate(np.ndindex(kh, kw)):
-            offset = i * dh * wp + j * dw
-            np.matmul(planes[:, offset:offset + pixels], grads, out=out[:, t])
+        offsets = [i * dh * wp + j * dw for i, j in np.ndindex(kh, kw)]
+        out = np.zeros((c, kh * kw, m), dtype=dtype)  # row c * taps + t, as the rule's columns
+        term = np.empty((c, m), dtype=dtype)
+        step = max(1, _BLOCK_BYTES // ((c + m) * planes.itemsize))
+        for start in range(0, pixels, step):  # a block of pixels' planes and dY, reused by every tap from cache
+            stop = min(pixels, start + step)
+            block = grads[start:stop]
+            for t, offset in enumerate(offsets):
+                np.matmul(planes[:, offset + start:offset + stop], block, out=term)
+                out[:, t] += term
         return (out.reshape(1, c * kh * kw, m),)
 
     return run
