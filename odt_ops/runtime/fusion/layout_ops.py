@@ -148,6 +148,10 @@ def _depthwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
 # fill about this much (a core's L2 is 1 MiB on Zen 4): every tap then reads the block from cache.
 # Measured on UNet's layers, batch 32, one thread: 0.75-0.8x the time of whole-batch products.
 _BLOCK_BYTES = 1 << 18
+# but never fewer pixels than this: with wide layers a block's product is too thin and the (C, M)
+# sums per block and tap cost more than the cache saves (ResNet-50's 512-channel 7x7 layer at batch 4:
+# 64-pixel blocks 1.26x the whole batch's time, 1024-pixel ones, here the whole batch, 0.83x)
+_MIN_BLOCK_PIXELS = 1024
 
 
 @fused_op("StrideOneWeightGrad")
@@ -179,7 +183,7 @@ def _stride_one_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
         offsets = [i * dh * wp + j * dw for i, j in np.ndindex(kh, kw)]
         out = np.zeros((c, kh * kw, m), dtype=dtype)  # row c * taps + t, as the rule's columns
         term = np.empty((c, m), dtype=dtype)
-        step = max(1, _BLOCK_BYTES // ((c + m) * planes.itemsize))
+        step = max(_MIN_BLOCK_PIXELS, _BLOCK_BYTES // ((c + m) * planes.itemsize))
         for start in range(0, pixels, step):  # a block of pixels' planes and dY, reused by every tap from cache
             stop = min(pixels, start + step)
             block = grads[start:stop]
