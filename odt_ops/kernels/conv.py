@@ -8,8 +8,9 @@ reach (no copy at all when they stay inside the input).
 
 Speed notes (numpy is ~3x slower on ufuncs over short strided rows than over long
 contiguous runs, so most of what follows is about layouts):
-- Conv at stride 1, one group, over at least as many input channels as outputs, is a GEMM
-  per kernel tap read straight from flat padded planes, summed (``_conv_taps``): no im2col.
+- Conv at stride 1, one group, over at least as many input channels as outputs and with output
+  rows of at least 16, is a GEMM per kernel tap read straight from flat padded planes, summed
+  (``_conv_taps``): no im2col.
 - Any other Conv is im2col: a strided window view of the padded input, copied once into
   (N, group, C/group * kernel + 1, positions) whose last row is ones, then one batched
   matmul against the weights with the bias as an extra column, landing directly in
