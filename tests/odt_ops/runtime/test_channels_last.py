@@ -181,7 +181,7 @@ def test_channels_last_one_group_conv_of_one_and_three_spatial_axes_matches_torc
 def test_stride_one_weight_grad_is_torchs_conv_weight_gradient(kernel, pads, dilations, block_bytes, monkeypatch):
     if block_bytes is not None:
         monkeypatch.setattr(layout_ops, "_BLOCK_BYTES", block_bytes)
-        monkeypatch.setattr(layout_ops, "_MIN_BLOCK_PIXELS", 1)
+        monkeypatch.setattr(layout_ops, "_BLOCK_PER_CHANNEL", 1)
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 5, 9, 8)).astype(np.float32)
     w = torch.from_numpy(rng.standard_normal((7, 5, *kernel)).astype(np.float32)).requires_grad_()
