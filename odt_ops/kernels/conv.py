@@ -8,8 +8,9 @@ reach (no copy at all when they stay inside the input).
 
 Speed notes (numpy is ~3x slower on ufuncs over short strided rows than over long
 contiguous runs, so most of what follows is about layouts):
-- Conv at stride 1, one group, over at least as many input channels as outputs, is a GEMM
-  per kernel tap read straight from flat padded planes, summed (``_conv_taps``): no im2col.
+- Conv at stride 1, one group, over at least as many input channels as outputs and with output
+  rows of at least 16, is a GEMM per kernel tap read straight from flat padded planes, summed
+  (``_conv_taps``): no im2col.
 - Any other Conv is im2col: a strided window view of the padded input, copied once into
   (N, group, C/group * kernel + 1, positions) whose last row is ones, then one batched
   matmul against the weights with the bias as an extra column, landing directly in
@@ -74,6 +75,10 @@ def _add_bias(Y: np.ndarray, B: np.ndarray) -> None:
 
 _TAP_BLOCK_BYTES = 1 << 20  # ``_conv_taps``: an image block's planes and results, kept in the core's cache
 _TAP_MIN_CHANNELS = 8  # below this a tap's GEMM is too thin (K = C): im2col's one GEMM of K = C * taps wins
+# below this many output columns the flat planes waste too much: each row computes (kernel width - 1)
+# columns that are cropped, and the pad rows too (UNet's and ResNet-50's 3x3 layers, one thread, Zen 4:
+# im2col took 0.64-0.74x the per-tap time at 4-8 columns and 0.81-0.91x at 14, 1.2-1.9x at 16-32)
+_TAP_MIN_COLUMNS = 16
 
 
 def _tap_bytes(X: np.ndarray, M: int, geo: WindowGeometry) -> int:
@@ -84,9 +89,11 @@ def _tap_bytes(X: np.ndarray, M: int, geo: WindowGeometry) -> int:
 def _takes_taps(X: np.ndarray, W: np.ndarray, geo: WindowGeometry, group: int) -> bool:
     """Whether ``_conv_taps`` is the faster form: one group, stride 1, a spatial kernel, at least as
     many input channels as outputs (the per-tap sums cost M * positions each, im2col's copy C * taps
-    per position) and an image that fits the cache block (a ResNet 56x56x64 layer ran 1.3x slower)."""
+    per position), output rows of at least ``_TAP_MIN_COLUMNS`` and an image that fits the cache block
+    (a ResNet 56x56x64 layer ran 1.3x slower)."""
     M, C = W.shape[0], X.shape[1]
     return (group == 1 and _TAP_MIN_CHANNELS <= C and M <= C and len(geo.kernel) > 1 and math.prod(geo.kernel) > 1
+            and geo.out[-1] >= _TAP_MIN_COLUMNS
             and all(s == 1 for s in geo.strides) and _tap_bytes(X, M, geo) <= _TAP_BLOCK_BYTES)
 
 

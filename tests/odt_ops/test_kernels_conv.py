@@ -134,19 +134,23 @@ def test_conv_keeping_the_row_length(spatial, attrs, group, in_per_group, out_pe
        st.integers(1, 3), st.booleans(), seeds)
 def test_conv_by_kernel_taps(geometry, C, M, batch, bias, seed):
     """Stride 1, one group, at least as many input channels as outputs: one GEMM per kernel tap
-    over the flat padded planes (``_conv_taps``), against onnxruntime."""
+    over the flat padded planes (``_conv_taps``), against onnxruntime. The small images here have
+    fewer output columns than the taps take in production (``_TAP_MIN_COLUMNS``): lowered to 1."""
+    from unittest import mock
+
     from hypothesis import assume
 
-    from odt_ops.kernels.conv import _conv_geometry, _takes_taps
+    import odt_ops.kernels.conv as conv_kernels
 
     spatial, attrs = geometry
     feeds = {"X": rand(seed, batch, C, *spatial), "W": rand(seed + 1, M, C, *attrs["kernel_shape"])}
     if bias:
         feeds["B"] = rand(seed + 2, M)
     window = {k: attrs.get(k) for k in ("strides", "dilations", "pads")}
-    geo = _conv_geometry(feeds["X"], feeds["W"], None, 1, auto_pad=attrs.get("auto_pad", "NOTSET"), **window)
-    assume(_takes_taps(feeds["X"], feeds["W"], geo, 1))  # a 1x1 kernel is a plain GEMM instead
-    check("Conv", feeds, attrs)
+    geo = conv_kernels._conv_geometry(feeds["X"], feeds["W"], None, 1, auto_pad=attrs.get("auto_pad", "NOTSET"), **window)
+    with mock.patch.object(conv_kernels, "_TAP_MIN_COLUMNS", 1):
+        assume(conv_kernels._takes_taps(feeds["X"], feeds["W"], geo, 1))  # a 1x1 kernel is a plain GEMM instead
+        check("Conv", feeds, attrs)
 
 
 @pytest.mark.parametrize("images_per_block", [1, 2, 3])
@@ -155,6 +159,7 @@ def test_conv_by_kernel_taps_in_image_blocks_is_unchanged(monkeypatch, images_pe
     the last block shorter than the others included."""
     import odt_ops.kernels.conv as conv_kernels
 
+    monkeypatch.setattr(conv_kernels, "_TAP_MIN_COLUMNS", 1)  # taps at 11 output columns, here in both runs
     X, W, B = rand(1, 5, 16, 9, 11), rand(2, 12, 16, 3, 3), rand(3, 12)
     attrs = {"pads": [1, 0, 2, 1], "dilations": [1, 2]}
     whole = conv_kernels.conv(X, W, B, **attrs)[0]

@@ -16,9 +16,8 @@ from odt_ops.api import CheckpointState
 from odt_ops.kernels import conv as conv_kernels
 from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows
 from odt_ops.kernels.nn import batch_normalization
-from odt_ops.runtime.fusion import DOMAIN
+from odt_ops.runtime.fusion import DOMAIN, layout_ops
 from odt_ops.runtime.fusion.layout import SUFFIX
-from odt_ops.runtime.fusion.layout_ops import _stride_one_weight_grad
 from odt_ops.runtime.plan import Plan
 
 torch = pytest.importorskip("torch", reason="PyTorch defines the benchmark's CNNs and is the kernels' oracle")
@@ -178,7 +177,11 @@ def test_channels_last_one_group_conv_of_one_and_three_spatial_axes_matches_torc
 @pytest.mark.parametrize("kernel, pads, dilations", [
     ((3, 3), [1, 1, 1, 1], [1, 1]), ((3, 2), [0, 1, 2, 0], [1, 1]), ((3, 3), [2, 1, 2, 1], [2, 1]), ((2, 3), [1, 2, 0, 2], [2, 2]),
     ((2, 2), [0, 0, 0, 0], [1, 1])])
-def test_stride_one_weight_grad_is_torchs_conv_weight_gradient(kernel, pads, dilations):
+@pytest.mark.parametrize("block_bytes", [None, 1000])  # None: the whole batch in one block; 1000: blocks of 20 pixels, the last one short
+def test_stride_one_weight_grad_is_torchs_conv_weight_gradient(kernel, pads, dilations, block_bytes, monkeypatch):
+    if block_bytes is not None:
+        monkeypatch.setattr(layout_ops, "_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(layout_ops, "_BLOCK_PER_CHANNEL", 1)
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 5, 9, 8)).astype(np.float32)
     w = torch.from_numpy(rng.standard_normal((7, 5, *kernel)).astype(np.float32)).requires_grad_()
@@ -186,7 +189,7 @@ def test_stride_one_weight_grad_is_torchs_conv_weight_gradient(kernel, pads, dil
     y = torch.nn.functional.conv2d(padded, w, dilation=dilations)
     dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
     y.backward(torch.from_numpy(dy))
-    run = _stride_one_weight_grad({"kernel": list(kernel), "dilations": dilations, "pads": pads}, 17)
+    run = layout_ops._stride_one_weight_grad({"kernel": list(kernel), "dilations": dilations, "pads": pads}, 17)
     got = run(x, dy)[0]  # (1, C * taps, M), the rule's MatMul layout
     assert got.shape == (1, 5 * kernel[0] * kernel[1], 7) and got.dtype == np.float32
     np.testing.assert_allclose(got.reshape(5, -1, 7).transpose(2, 0, 1).reshape(w.shape), w.grad.numpy(), rtol=1e-4, atol=1e-4)
