@@ -520,4 +520,5 @@ def test_unet_fused_plan_equals_the_graph_as_written(tmp_path):
     fused = _assert_fused_equals_unfused(directory, rng.standard_normal((4, 1, 32, 32)).astype(np.float32),
                                          rng.integers(0, 10, 4), gammas | blocked)
     assert Counter(fused.fusions)["ProductSum"] == len(gammas)
+    assert Counter(fused.fusions)["ChannelAffine"] == len(gammas)  # each GroupNorm's Mul, Add and the ReLU after it
     assert Counter(fused.fusions)["NormalizationTrainingGrad"] == len(gammas)

@@ -14,6 +14,7 @@ node attributes and constants; anything else is left for the node-by-node path.
 """
 from odt_ops.runtime.fusion import (  # noqa: F401  (registers)
     activations,
+    channel_affine,
     layout,
     loss,
     normalization,
@@ -45,6 +46,7 @@ ORDER = (
     "gru_cell",  # likewise
     "channels_last",  # it reads the fused normalization gradients
     "product_sum",  # after channels_last, which rewrites the products and sums of its regions channels-last
+    "channel_affine",  # likewise
 )
 run_in_order(ORDER)
 
