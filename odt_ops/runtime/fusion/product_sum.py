@@ -3,17 +3,19 @@
 GroupNorm's export scales by Mul(normalized, gamma[C, 1, 1]); the gradient rule writes gamma's
 gradient as the product dY * normalized, then ReduceSum over every axis but the channels. As one
 node the product is never materialized: the per-(n, c) plane dot products run through BLAS
-(np.vecdot) and the batch's are added. That sums in another order than the ReduceSum kernel, so the
+(kernels/nn.py's row_dots, from planes of ROW_DOT_MIN elements) and the batch's are added. That sums in another order than the ReduceSum kernel, so the
 result differs from the graph as written by float rounding only; every other operand shape,
 dtype or axis set runs the Mul and ReduceSum kernels themselves, bit-equal to the graph.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
 
 from odt_ops.ir.attributes import node_attributes
+from odt_ops.kernels.nn import ROW_DOT_MIN, row_dots
 from odt_ops.runtime.fusion.graph import STANDARD, Graph, fused_node, fused_op, fusion, kernel_of
 from odt_ops.runtime.fusion.normalization import reducer
 
@@ -46,10 +48,10 @@ def product_sum(axes: list[int], keepdims: int, opset: int) -> Callable[..., tup
     def run(a, b):
         rank = a.ndim
         if a.shape == b.shape and a.dtype == b.dtype and a.dtype in (np.float32, np.float64) and rank >= 3 \
-                and sorted(x % rank for x in axes) == [0, *range(2, rank)]:
+                and sorted(x % rank for x in axes) == [0, *range(2, rank)] and math.prod(a.shape[2:]) >= ROW_DOT_MIN:
             n, c = a.shape[:2]
             # one dot product per (n, c) plane, then the batch's added: no product array
-            planes = np.vecdot(np.ascontiguousarray(a).reshape(n, c, -1), np.ascontiguousarray(b).reshape(n, c, -1))
+            planes = row_dots(np.ascontiguousarray(a).reshape(n, c, -1), np.ascontiguousarray(b).reshape(n, c, -1))
             sums = np.add.reduce(planes, axis=0)
             return (sums.reshape((1, c) + (1,) * (rank - 2)) if keepdims else sums,)
         return (total(multiply(a, b)[0]),)

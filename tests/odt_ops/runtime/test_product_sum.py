@@ -1,5 +1,5 @@
 """ProductSum (runtime/fusion/product_sum.py): sum(a * b) over every axis but the channels by
-per-plane dot products, against a float64 numpy oracle; any other form runs the Mul and ReduceSum
+per-plane dot products (planes of ROW_DOT_MIN elements on), against a float64 numpy oracle; any other form runs the Mul and ReduceSum
 kernels themselves, bit-equal to the two nodes; and the pass matches only a product nothing else reads."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _pair(shape, dtype=np.float32, seed=0):
     return (rng.standard_normal(shape) * 2 + 0.5).astype(dtype), rng.standard_normal(shape).astype(dtype)
 
 
-@pytest.mark.parametrize("shape", [(32, 16, 32, 32), (3, 5, 7), (2, 4, 3, 5, 2), (1, 1, 1, 1), (4, 3, 0, 2)])
+@pytest.mark.parametrize("shape", [(32, 16, 32, 32), (3, 5, 100), (2, 3, 8, 8), (2, 4, 4, 4, 4), (3, 5, 7), (1, 1, 1, 1), (4, 3, 0, 2)])
 @pytest.mark.parametrize("keepdims", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_channel_sums_of_products_match_float64(shape, keepdims, dtype):
@@ -34,6 +34,7 @@ def test_channel_sums_of_products_match_float64(shape, keepdims, dtype):
 
 @pytest.mark.parametrize("shape_a,shape_b,axes,keepdims", [
     ((8, 16, 4, 4), (1, 16, 1, 1), [0, 2, 3], 1),  # a broadcast operand
+    ((8, 16, 4, 4), (8, 16, 4, 4), [0, 2, 3], 1),  # planes under ROW_DOT_MIN elements
     ((8, 16, 4, 4), (8, 16, 4, 4), [0, 1], 1),  # LayerNorm's form: not the channel sums
     ((8, 16, 4, 4), (8, 16, 4, 4), [1], 0),
     ((6, 10), (6, 10), [0], 1),  # rank 2
