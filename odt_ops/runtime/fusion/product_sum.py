@@ -22,7 +22,7 @@ from odt_ops.runtime.fusion.normalization import reducer
 
 @fusion("product_sum")
 def _product_sum(g: Graph) -> bool:
-    """ReduceSum(Mul(a, b), constant axes) whose product nothing else reads -> ProductSum(a, b)."""
+    """ReduceSum(Mul(a, b), constant axes 0, 2, 3...) whose product nothing else reads -> ProductSum(a, b)."""
     changed = False
     for reduce in [n for n in g.nodes if n.op_type == "ReduceSum" and n.domain in STANDARD]:
         mul = g.producer(reduce.input[0], "Mul")
@@ -30,6 +30,8 @@ def _product_sum(g: Graph) -> bool:
         attrs = node_attributes(reduce)
         if mul is None or not axes or attrs.get("noop_with_empty_axes", 0) or g.sole_reader(mul.output[0], "ReduceSum", 0) is not reduce:
             continue
+        if sorted(axes) != [0, *range(2, len(axes) + 1)]:
+            continue  # not the channel sums (LayerNorm's and Softmax's gradients): nothing to gain
         fused = fused_node("ProductSum", list(mul.input), list(reduce.output), f"fused/{reduce.name or reduce.output[0]}",
                            axes=axes, keepdims=int(attrs.get("keepdims", 1)))
         changed = g.replace([mul, reduce], fused) or changed

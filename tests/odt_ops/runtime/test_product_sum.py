@@ -48,18 +48,21 @@ def test_other_forms_are_the_two_kernels_bit_for_bit(shape_a, shape_b, axes, kee
     assert got.dtype == want.dtype
 
 
-def _nodes(product_read_twice: bool):
+def _nodes(product_read_twice: bool, axes: str = "axes"):
     nodes = [helper.make_node("Mul", ["dy", "x"], ["p"], name="mul"),
-             helper.make_node("ReduceSum", ["p", "axes"], ["s"], name="sum", keepdims=1)]
+             helper.make_node("ReduceSum", ["p", axes], ["s"], name="sum", keepdims=1)]
     if product_read_twice:
         nodes.append(helper.make_node("Neg", ["p"], ["q"]))
     return nodes
 
 
 def test_the_pass_fuses_a_product_only_the_sum_reads():
-    constants = {"axes": np.array([0, 2, 3], np.int64)}
+    constants = {"axes": np.array([0, 2, 3], np.int64), "last": np.array([-1], np.int64), "rows": np.array([0, 1], np.int64)}
     fused = fuse(_nodes(False), constants, keep={"s"}, only=["product_sum"])
     assert [(n.op_type, list(n.input), list(n.output)) for n in fused] == [("ProductSum", ["dy", "x"], ["s"])]
     kept = fuse(_nodes(True), constants, keep={"s", "q"}, only=["product_sum"])
     assert [n.op_type for n in kept] == ["Mul", "ReduceSum", "Neg"]
     assert [n.op_type for n in fuse(_nodes(False), constants, keep={"s", "p"}, only=["product_sum"])] == ["Mul", "ReduceSum"]
+    # Softmax's and LayerNorm's gradients sum along other axes: left as they are
+    for axes in ("last", "rows"):
+        assert [n.op_type for n in fuse(_nodes(False, axes), constants, keep={"s"}, only=["product_sum"])] == ["Mul", "ReduceSum"]
