@@ -32,22 +32,42 @@ def _channel_shape(ndim: int) -> tuple[int, ...]:
     return (1, -1) + (1,) * (ndim - 2)
 
 
-def _standardize(x3: np.ndarray, epsilon: float, scale: np.ndarray | None = None):
+def _standardize(x3: np.ndarray, epsilon: float, scale: np.ndarray | None = None, *, row_dots: bool = False):
     """Normalize an (a, b, c) array over axes 0 and 2, times an optional per-b ``scale``.
 
     Every normalization here is one such layout (BatchNorm: N x C x spatial; the others:
     1 x groups x elements). Returns (a new normalized array, mean, population variance,
-    1/std), the statistics of shape (b,).
+    1/std), the statistics of shape (b,). ``row_dots`` (a == 1 only) sums the squares row by
+    row through BLAS, see _square_sums.
     """
     count = x3.dtype.type(max(x3.shape[0] * x3.shape[2], 1))
     # gemv sums: numpy's mean over axes 0 and 2 ran 2-8x slower (many channels, small maps)
     mean = sum_along(x3, (0, 2), False) / count
     d = per_channel(np.subtract, x3, mean)
-    # einsum sums the squares without materializing them: about 3x faster than mean(square(d))
-    var = np.einsum("abc,abc->b", d, d) / count
+    var = _square_sums(d, row_dots) / count
     inv_std = np.reciprocal(np.sqrt(var + x3.dtype.type(epsilon)))
     per_channel(np.multiply, d, inv_std if scale is None else inv_std * scale, out=d)
     return d, mean, var, inv_std
+
+
+# From this many elements per row, per-row dot products through BLAS beat einsum's loop: 0.036
+# against 0.107 ms for 128 rows of 4096 float32, 0.0066 against 0.0069 for 512 of 64, but 0.029
+# against 0.012 for 2048 rows of 16 (one thread, AMD EPYC Zen 4 under load)
+ROW_DOT_MIN = 64
+
+
+def row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The dot products of a's and b's rows (their last axis), one BLAS dot per row: a matmul of
+    one-row by one-column matrices (np.vecdot, as fast, needs numpy 2)."""
+    return np.matmul(a[..., None, :], b[..., :, None])[..., 0, 0]
+
+
+def _square_sums(d: np.ndarray, by_rows: bool) -> np.ndarray:
+    """The per-b sums of d's squares over axes 0 and 2, without materializing the squares."""
+    if by_rows and d.shape[0] == 1 and d.shape[2] >= ROW_DOT_MIN:
+        return row_dots(d[0], d[0])
+    # einsum: about 3x faster than mean(square(d))
+    return np.einsum("abc,abc->b", d, d)
 
 
 def _stash_dtype(stash_type: int) -> np.dtype:
@@ -139,8 +159,13 @@ def instance_normalization(input, scale, B, *, epsilon=1e-5):
     n, c = input.shape[:2]
     ct = _compute_dtype(input.dtype)
     x3 = input.astype(ct, copy=False).reshape(1, n * c, math.prod(input.shape[2:]))
-    y = _standardize(x3, epsilon, np.tile(scale.astype(ct, copy=False), n))[0]
-    y += np.tile(B.astype(ct, copy=False), n)[:, None]
+    scale, B = scale.astype(ct, copy=False), B.astype(ct, copy=False)
+    # GroupNorm's export (Reshape -> InstanceNormalization -> Reshape -> Mul -> Add) passes a scale
+    # of ones and a bias of zeros: multiplying by 1 changes no bit, and adding +0 changes none but
+    # a -0.0 (to +0.0, an equal number), so skipping the bias spares a pass over the whole input
+    y = _standardize(x3, epsilon, None if np.all(scale == 1) else np.tile(scale, n), row_dots=True)[0]
+    if np.any(B != 0):
+        y += np.tile(B, n)[:, None]
     return (y.reshape(input.shape).astype(input.dtype, copy=False),)
 
 
@@ -152,7 +177,7 @@ def _group_norm(X, scale, bias, num_groups, epsilon, stash, per_group):
         raise ValueError(f"num_groups={num_groups} does not divide the {c} channels")
     x3 = X.astype(_compute_dtype(stash), copy=False).reshape(1, n * num_groups, -1)
     # stage one in the stash precision, stage two (scale and bias) in X's type
-    y = _standardize(x3, epsilon)[0].reshape(n, c, -1).astype(X.dtype, copy=False)
+    y = _standardize(x3, epsilon, row_dots=True)[0].reshape(n, c, -1).astype(X.dtype, copy=False)
     if per_group:  # opset 18: one scale/bias per group, shared by its channels
         scale, bias = np.repeat(scale, c // num_groups), np.repeat(bias, c // num_groups)
     per_channel(np.multiply, y, scale, out=y)

@@ -14,9 +14,11 @@ node attributes and constants; anything else is left for the node-by-node path.
 """
 from odt_ops.runtime.fusion import (  # noqa: F401  (registers)
     activations,
+    channel_affine,
     layout,
     loss,
     normalization,
+    product_sum,
     recurrent,
     reductions,
     scatter,
@@ -42,7 +44,9 @@ ORDER = (
     "normalization_grad",
     "lstm_cell",  # after activation_grad: an LSTM step's gradient is matched with its SigmoidGrad and TanhGrad nodes
     "gru_cell",  # likewise
-    "channels_last",  # last: it reads the fused normalization gradients
+    "channels_last",  # it reads the fused normalization gradients
+    "product_sum",  # after channels_last, which rewrites the products and sums of its regions channels-last
+    "channel_affine",  # likewise
 )
 run_in_order(ORDER)
 

@@ -92,7 +92,7 @@ def _is_computed_inside(nodes: Sequence[onnx.NodeProto], name: str) -> bool:
     return any(name in n.output for n in nodes)
 
 
-def _reducer(op_type: str, opset: int, axes: list[int], keepdims: int) -> Callable[[np.ndarray], np.ndarray]:
+def reducer(op_type: str, opset: int, axes: list[int], keepdims: int) -> Callable[[np.ndarray], np.ndarray]:
     """The ``op_type`` kernel in force at ``opset`` over ``axes``, however that version takes its
     axes (an input from ReduceSum-13 and ReduceMean-18 on, an attribute before)."""
     entry = kernel_entry(op_type, opset)
@@ -112,7 +112,7 @@ def normalization_training_grad(axes: list[int], equation: str, spread: list[int
     """The fused gradient's kernel: statistics over ``axes``, ``equation`` the rule's Einsum, the
     per-channel values unsqueezed at ``spread``. The channels-last graph (layout.py) runs it on
     (N*H*W, C) rows: axes [0], spread [0]."""
-    mean, total = _reducer("ReduceMean", opset, axes, 1), _reducer("ReduceSum", opset, axes, 0)
+    mean, total = reducer("ReduceMean", opset, axes, 1), reducer("ReduceSum", opset, axes, 0)
     einsum = kernel_of("Einsum", opset, equation=equation)
     sqrt, reciprocal = kernel_of("Sqrt", opset), kernel_of("Reciprocal", opset)
     spread_axes = tuple(spread)
