@@ -50,3 +50,18 @@ def test_the_lookups_after_every_replace_are_those_rebuilt_from_the_nodes(tmp_pa
          [*info.user_inputs, *info.labels, *info.parameters, *info.buffers],
          [info.loss, *(info.gradients[p] for p in info.trainable)], rng=np.random.default_rng(0))
     assert len(replaced) >= 3, replaced  # the fusions did rewrite this graph
+
+
+def test_a_pass_taken_out_and_put_back_runs_in_its_place(monkeypatch):
+    """fuse runs the passes in fusion.ORDER, not in FUSIONS' insertion order: a pass a test removes and
+    monkeypatch puts back (at the dict's end) still runs before the passes that read its nodes."""
+    from odt_ops.runtime import fusion
+
+    with monkeypatch.context() as m:
+        m.delitem(fusion.FUSIONS, "lstm_cell")
+    assert list(fusion.FUSIONS)[-1] == "lstm_cell"  # what the undo did to the dict
+    ran = []
+    for name in list(fusion.FUSIONS):
+        monkeypatch.setitem(fusion.FUSIONS, name, lambda g, name=name: ran.append(name))
+    fusion.fuse([], {}, keep=[])
+    assert ran == list(fusion.ORDER)
