@@ -1,9 +1,12 @@
 """Kernels: linalg (MatMul, Gemm, Einsum)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from odt_ops.kernels.products import ProductRecord, multiply
+from odt_ops.kernels.reduce import ROW_DOT_MIN, row_dots
 from odt_ops.kernels.registry import kernel
 
 
@@ -55,5 +58,26 @@ def einsum(*Inputs, equation):
     # products, "nchw,nchw->c"), where the optimized path copies transposes and ran 3-8x slower
     equation = equation.replace(" ", "")
     terms = equation.split("->")[0].split(",")
+    if len(terms) == 2 and terms[0] == terms[1]:
+        rows = _row_products(equation, *Inputs)
+        if rows is not None:
+            return (rows.astype(dtype, copy=False),)
     out = np.einsum(equation, *Inputs, optimize=not (len(terms) == 2 and terms[0] == terms[1]))
     return (np.asarray(out).astype(dtype, copy=False),)
+
+
+def _row_products(equation: str, A: np.ndarray, B: np.ndarray) -> np.ndarray | None:
+    """"abc,abc->ab"-style equations (one term twice, the output its leading labels: per-row sums of
+    products over the trailing axes, as a normalization's gradient writes them) as one BLAS dot per
+    row; None for any other equation. numpy's einsum runs them as an unvectorized loop: at
+    (32, 4, 4096) float32 0.107 ms against 0.034 ms (AMD EPYC Zen 4, one thread)."""
+    term, _, out = equation.partition("->")
+    term = term.split(",")[0]
+    if not out or "." in term or len(set(term)) != len(term) or term[:len(out)] != out or len(out) == len(term):
+        return None
+    if A.shape != B.shape or A.dtype != B.dtype or A.dtype not in (np.float32, np.float64) or A.ndim != len(term):
+        return None
+    lead, size = A.shape[:len(out)], math.prod(A.shape[len(out):])
+    if size < ROW_DOT_MIN:
+        return None
+    return row_dots(A.reshape(*lead, size), B.reshape(*lead, size))

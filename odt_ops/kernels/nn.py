@@ -8,7 +8,7 @@ import onnx
 
 from odt_ops.kernels.channels import per_channel
 from odt_ops.kernels.geometry import NEAREST_ROUNDING, resize_axis, resize_output_plan
-from odt_ops.kernels.reduce import sum_along
+from odt_ops.kernels.reduce import ROW_DOT_MIN, row_dots, sum_along
 from odt_ops.kernels.registry import kernel
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -50,16 +50,6 @@ def _standardize(x3: np.ndarray, epsilon: float, scale: np.ndarray | None = None
     return d, mean, var, inv_std
 
 
-# From this many elements per row, per-row dot products through BLAS beat einsum's loop: 0.036
-# against 0.107 ms for 128 rows of 4096 float32, 0.0066 against 0.0069 for 512 of 64, but 0.029
-# against 0.012 for 2048 rows of 16 (one thread, AMD EPYC Zen 4 under load)
-ROW_DOT_MIN = 64
-
-
-def row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The dot products of a's and b's rows (their last axis), one BLAS dot per row: a matmul of
-    one-row by one-column matrices (np.vecdot, as fast, needs numpy 2)."""
-    return np.matmul(a[..., None, :], b[..., :, None])[..., 0, 0]
 
 
 def _square_sums(d: np.ndarray, by_rows: bool) -> np.ndarray:

@@ -493,3 +493,15 @@ def hardmax_1(input, *, axis=1):
 @kernel("Hardmax", since=13)
 def hardmax(input, *, axis=-1):
     return _per_axis(_hardmax, input, axis)
+
+
+# From this many elements per row, per-row dot products through BLAS beat einsum's loop: 0.036
+# against 0.107 ms for 128 rows of 4096 float32, 0.0066 against 0.0069 for 512 of 64, but 0.029
+# against 0.012 for 2048 rows of 16 (one thread, AMD EPYC Zen 4 under load)
+ROW_DOT_MIN = 64
+
+
+def row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The dot products of a's and b's rows (their last axis), one BLAS dot per row: a matmul of
+    one-row by one-column matrices (np.vecdot, as fast, needs numpy 2)."""
+    return np.matmul(a[..., None, :], b[..., :, None])[..., 0, 0]

@@ -139,6 +139,8 @@ EINSUM = {  # equation -> operand shapes, as functions of three sizes
     "Ab,bc->Ac": lambda p, q, r: [(p, q), (q, r)],
     "nchw,nchw->c": lambda p, q, r: [(p, q, r, 2), (p, q, r, 2)],  # a normalization's sums of products
     "ab, ab -> b": lambda p, q, r: [(p, q), (p, q)],
+    "nch,nch->nc": lambda p, q, r: [(p, q, r), (p, q, r)],  # per-row sums of products: one BLAS dot per row
+    "nchw,nchw->nc": lambda p, q, r: [(p, q, r, 3), (p, q, r, 3)],
 }
 
 
@@ -150,10 +152,11 @@ def test_einsum(seed, equation, p, q, r):
     check("Einsum", feeds, dict(equation=equation), opset=12, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("equation", ["nchw,nchw->c", "ab, ab -> b"])
+@pytest.mark.parametrize("equation", ["nchw,nchw->c", "ab, ab -> b", "nch,nch->nc", "nchw,nchw->nc"])
 def test_einsum_of_same_label_operands(equation):
     """The form that skips numpy's optimized path (a normalization's per-channel sums of products),
-    on a batch large enough for the sums to be long."""
+    on a batch large enough for the sums to be long (the per-row forms, from 64 elements a row, as
+    BLAS dot products)."""
     rng = np.random.default_rng(5)
     feeds = {f"x{i}": rand(rng, s) for i, s in enumerate(EINSUM[equation](8, 16, 64))}
     check("Einsum", feeds, dict(equation=equation), opset=12, rtol=1e-5, atol=1e-4)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from odt_ops.ir.attributes import node_attributes
-from odt_ops.kernels.nn import ROW_DOT_MIN, row_dots
+from odt_ops.kernels.reduce import ROW_DOT_MIN, row_dots
 from odt_ops.runtime.fusion.graph import STANDARD, Graph, fused_node, fused_op, fusion, kernel_of
 from odt_ops.runtime.fusion.normalization import reducer
 
