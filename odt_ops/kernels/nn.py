@@ -32,24 +32,22 @@ def _channel_shape(ndim: int) -> tuple[int, ...]:
     return (1, -1) + (1,) * (ndim - 2)
 
 
-def _standardize(x3: np.ndarray, epsilon: float, scale: np.ndarray | None = None, *, row_dots: bool = False):
+def _standardize(x3: np.ndarray, epsilon: float, scale: np.ndarray | None = None, *, by_rows: bool = False):
     """Normalize an (a, b, c) array over axes 0 and 2, times an optional per-b ``scale``.
 
     Every normalization here is one such layout (BatchNorm: N x C x spatial; the others:
     1 x groups x elements). Returns (a new normalized array, mean, population variance,
-    1/std), the statistics of shape (b,). ``row_dots`` (a == 1 only) sums the squares row by
+    1/std), the statistics of shape (b,). ``by_rows`` (a == 1 only) sums the squares row by
     row through BLAS, see _square_sums.
     """
     count = x3.dtype.type(max(x3.shape[0] * x3.shape[2], 1))
     # gemv sums: numpy's mean over axes 0 and 2 ran 2-8x slower (many channels, small maps)
     mean = sum_along(x3, (0, 2), False) / count
     d = per_channel(np.subtract, x3, mean)
-    var = _square_sums(d, row_dots) / count
+    var = _square_sums(d, by_rows) / count
     inv_std = np.reciprocal(np.sqrt(var + x3.dtype.type(epsilon)))
     per_channel(np.multiply, d, inv_std if scale is None else inv_std * scale, out=d)
     return d, mean, var, inv_std
-
-
 
 
 def _square_sums(d: np.ndarray, by_rows: bool) -> np.ndarray:
@@ -153,7 +151,7 @@ def instance_normalization(input, scale, B, *, epsilon=1e-5):
     # GroupNorm's export (Reshape -> InstanceNormalization -> Reshape -> Mul -> Add) passes a scale
     # of ones and a bias of zeros: multiplying by 1 changes no bit, and adding +0 changes none but
     # a -0.0 (to +0.0, an equal number), so skipping the bias spares a pass over the whole input
-    y = _standardize(x3, epsilon, None if np.all(scale == 1) else np.tile(scale, n), row_dots=True)[0]
+    y = _standardize(x3, epsilon, None if np.all(scale == 1) else np.tile(scale, n), by_rows=True)[0]
     if np.any(B != 0):
         y += np.tile(B, n)[:, None]
     return (y.reshape(input.shape).astype(input.dtype, copy=False),)
@@ -167,7 +165,7 @@ def _group_norm(X, scale, bias, num_groups, epsilon, stash, per_group):
         raise ValueError(f"num_groups={num_groups} does not divide the {c} channels")
     x3 = X.astype(_compute_dtype(stash), copy=False).reshape(1, n * num_groups, -1)
     # stage one in the stash precision, stage two (scale and bias) in X's type
-    y = _standardize(x3, epsilon, row_dots=True)[0].reshape(n, c, -1).astype(X.dtype, copy=False)
+    y = _standardize(x3, epsilon, by_rows=True)[0].reshape(n, c, -1).astype(X.dtype, copy=False)
     if per_group:  # opset 18: one scale/bias per group, shared by its channels
         scale, bias = np.repeat(scale, c // num_groups), np.repeat(bias, c // num_groups)
     per_channel(np.multiply, y, scale, out=y)
