@@ -14,7 +14,7 @@ from onnx import numpy_helper
 from odt_ops import meta
 from odt_ops.api import CheckpointState
 from odt_ops.kernels import conv as conv_kernels
-from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows
+from odt_ops.kernels.channels import along_rows, batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows, unbuffered_runs
 from odt_ops.kernels.nn import batch_normalization
 from odt_ops.runtime.fusion import DOMAIN, layout_ops
 from odt_ops.runtime.fusion.layout import SUFFIX
@@ -249,3 +249,33 @@ def test_inference_batch_norm_rows_are_the_channels_first_kernel_bit_for_bit():
     np.testing.assert_array_equal(got.reshape(3, 4, 5, 10), _last(want))
     oracle = torch.nn.functional.batch_norm(*map(torch.from_numpy, (x, mean, var, scale, bias)), training=False, eps=1e-3)
     np.testing.assert_allclose(want, oracle.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, channels", [(2048, 16), (128, 96), (96, 240), (7, 5)])  # (7, 5): no block, plain broadcast
+@pytest.mark.parametrize("ufunc", [np.subtract, np.multiply, np.add])
+def test_along_rows_is_numpys_broadcast_bit_for_bit_with_and_without_the_buffer(rows, channels, ufunc):
+    """The spelled-out rows, in and out of ``unbuffered_runs``, are numpy's own broadcast of the values
+    along the rows (the oracle): the same elementwise operation, so the same bits, values of another
+    dtype cast as astype casts them."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((rows, channels)).astype(np.float32)
+    values = rng.standard_normal(channels)  # float64: cast to x's float32
+    want = ufunc(x, values.astype(np.float32))
+    np.testing.assert_array_equal(along_rows(ufunc, x, values), want)
+    with unbuffered_runs(16):
+        out = np.empty_like(x)
+        assert along_rows(ufunc, x, values, out=out) is not None
+        np.testing.assert_array_equal(out, want)
+
+
+def test_unbuffered_runs_sets_and_restores_numpys_buffer_size():
+    before = np.getbufsize()
+    with unbuffered_runs(1000):
+        assert np.getbufsize() == 992  # the multiple of 16 numpy takes, no longer than the run
+    assert np.getbufsize() == before
+    with pytest.raises(RuntimeError), unbuffered_runs(10):
+        assert np.getbufsize() == 16
+        raise RuntimeError
+    assert np.getbufsize() == before
+    with unbuffered_runs(1 << 30):  # never more than numpy's own buffer
+        assert np.getbufsize() == before
