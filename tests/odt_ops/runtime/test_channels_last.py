@@ -279,3 +279,28 @@ def test_unbuffered_runs_sets_and_restores_numpys_buffer_size():
     assert np.getbufsize() == before
     with unbuffered_runs(1 << 30):  # never more than numpy's own buffer
         assert np.getbufsize() == before
+
+
+@pytest.mark.parametrize("shape, kernel, strides, pads, dilations", [
+    ((2, 9, 8, 6), (3, 3), [2, 2], [1, 1, 1, 1], [1, 1]), ((2, 9, 8, 6), (3, 3), [2, 2], [0, 1, 2, 0], [1, 1]),
+    ((2, 11, 10, 5), (3, 2), [3, 2], [2, 0, 1, 1], [2, 3]), ((1, 7, 9, 4), (5, 5), [2, 1], [2, 2, 2, 2], [1, 1]),
+    ((2, 8, 8, 3), (2, 2), [2, 2], [0, 0, 0, 0], [1, 1])])
+def test_strided_depthwise_conv_is_the_per_tap_multiply_add_bit_for_bit(shape, kernel, strides, pads, dilations):
+    """Taps read from phase planes: the graph's depthwise Conv as written (tap by tap in row-major
+    order, product then sum, spelled out here on numpy's padded array) bit for bit, and torch's."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(shape).astype(np.float32)  # (N, H, W, C)
+    c = shape[-1]
+    w = rng.standard_normal((c, 1, *kernel)).astype(np.float32)
+    attrs = {"group": c, "strides": strides, "pads": pads, "dilations": dilations}
+    got = conv_kernels.conv_channels_last(x, w, **attrs)[0]
+    padded = np.pad(x, [(0, 0), (pads[0], pads[2]), (pads[1], pads[3]), (0, 0)])
+    want = None
+    for i, j in np.ndindex(*kernel):
+        tap = padded[:, i * dilations[0]::strides[0], j * dilations[1]::strides[1]][:, :got.shape[1], :got.shape[2]]
+        term = tap * w[:, 0, i, j]
+        want = term if want is None else want + term
+    np.testing.assert_array_equal(got, want)
+    oracle = torch.nn.functional.conv2d(torch.from_numpy(np.ascontiguousarray(padded.transpose(0, 3, 1, 2))), torch.from_numpy(w),
+                                        stride=strides, dilation=dilations, groups=c).numpy()
+    np.testing.assert_allclose(got, _last(oracle), rtol=1e-5, atol=1e-5)
