@@ -304,3 +304,32 @@ def test_strided_depthwise_conv_is_the_per_tap_multiply_add_bit_for_bit(shape, k
     oracle = torch.nn.functional.conv2d(torch.from_numpy(np.ascontiguousarray(padded.transpose(0, 3, 1, 2))), torch.from_numpy(w),
                                         stride=strides, dilation=dilations, groups=c).numpy()
     np.testing.assert_allclose(got, _last(oracle), rtol=1e-5, atol=1e-5)
+
+
+_PLAIN_1X1 = [{}, {"pads": [0, 0, 0, 0], "strides": [1, 1], "kernel_shape": [1, 1], "dilations": [2, 2]}]
+
+
+# padded or strided 1x1 Convs take the general kernel (the channels-last ConvTranspose has none: the pass
+# admits only plain 1x1 ones)
+@pytest.mark.parametrize("op, attrs", [*(("Conv", a) for a in [*_PLAIN_1X1, {"pads": [1, 0, 1, 0]}, {"strides": [2, 1]}]),
+                                       *(("ConvTranspose", a) for a in _PLAIN_1X1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bound_channels_last_1x1_conv_is_the_kernel_bit_for_bit_and_torchs(op, attrs, bias):
+    """The ChannelsLast node's Conv and ConvTranspose (the 1x1 ones called straight) against the channels-last
+    kernels (bit for bit) and torch's conv2d / conv_transpose2d."""
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2, 6, 5, 4)).astype(np.float32)  # (N, C, H, W)
+    w = rng.standard_normal((7, 6, 1, 1) if op == "Conv" else (6, 7, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(7).astype(np.float32) if bias else None
+    run = layout_ops._channels_last_op({"layout_op": op, "layout_outputs": 1, **attrs}, 17)
+    args = (_last(x), w) if b is None else (_last(x), w, b)
+    got = run(*args)[0]
+    kernel = conv_kernels.conv_channels_last if op == "Conv" else conv_kernels.conv_transpose_channels_last
+    np.testing.assert_array_equal(got, kernel(*args, **attrs)[0])
+    tensors = [torch.from_numpy(a) for a in (x, w)] + [None if b is None else torch.from_numpy(b)]
+    pads = attrs.get("pads", [0, 0, 0, 0])
+    if op == "Conv":
+        oracle = torch.nn.functional.conv2d(*tensors, stride=attrs.get("strides", 1), padding=(pads[0], pads[1]))
+    else:
+        oracle = torch.nn.functional.conv_transpose2d(*tensors, stride=attrs.get("strides", 1), padding=(pads[0], pads[1]))
+    np.testing.assert_allclose(got, _last(oracle.numpy()), rtol=1e-5, atol=1e-5)
