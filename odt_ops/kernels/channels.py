@@ -47,6 +47,9 @@ def _column_sums(rows: np.ndarray) -> np.ndarray:
     return np.ones(rows.shape[0], dtype=rows.dtype) @ rows
 
 
+NUMPY_BUFFER = np.getbufsize()  # numpy's default ufunc buffer, in elements
+
+
 class unbuffered_runs:
     """A block in which numpy's ufuncs read inner runs of at least ``run`` elements in place, without
     copying them through its buffer: ``with unbuffered_runs(run): ...``.
@@ -71,7 +74,6 @@ class unbuffered_runs:
         np.setbufsize(self.old)
 
 
-NUMPY_BUFFER = np.getbufsize()
 # the run the kernels below leave unbuffered: ``along_rows``'s spelled-out rows are up to _ROW_BLOCK
 # long, most at least half of it (measured on the benchmark CNNs' BatchNormalizations at batch 8 and
 # 32: 0.73-0.89x the time of the forward, 0.78-0.90x of the gradient)
