@@ -14,7 +14,7 @@ from onnx import numpy_helper
 from odt_ops import meta
 from odt_ops.api import CheckpointState
 from odt_ops.kernels import conv as conv_kernels
-from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows
+from odt_ops.kernels.channels import along_rows, batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows, unbuffered_runs
 from odt_ops.kernels.nn import batch_normalization
 from odt_ops.runtime.fusion import DOMAIN, layout_ops
 from odt_ops.runtime.fusion.layout import SUFFIX
@@ -249,3 +249,87 @@ def test_inference_batch_norm_rows_are_the_channels_first_kernel_bit_for_bit():
     np.testing.assert_array_equal(got.reshape(3, 4, 5, 10), _last(want))
     oracle = torch.nn.functional.batch_norm(*map(torch.from_numpy, (x, mean, var, scale, bias)), training=False, eps=1e-3)
     np.testing.assert_allclose(want, oracle.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, channels", [(2048, 16), (128, 96), (96, 240), (7, 5)])  # (7, 5): no block, plain broadcast
+@pytest.mark.parametrize("ufunc", [np.subtract, np.multiply, np.add])
+def test_along_rows_is_numpys_broadcast_bit_for_bit_with_and_without_the_buffer(rows, channels, ufunc):
+    """The spelled-out rows, in and out of ``unbuffered_runs``, are numpy's own broadcast of the values
+    along the rows (the oracle): the same elementwise operation, so the same bits, values of another
+    dtype cast as astype casts them."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((rows, channels)).astype(np.float32)
+    values = rng.standard_normal(channels)  # float64: cast to x's float32
+    want = ufunc(x, values.astype(np.float32))
+    np.testing.assert_array_equal(along_rows(ufunc, x, values), want)
+    with unbuffered_runs(16):
+        out = np.empty_like(x)
+        assert along_rows(ufunc, x, values, out=out) is not None
+        np.testing.assert_array_equal(out, want)
+
+
+def test_unbuffered_runs_sets_and_restores_numpys_buffer_size():
+    before = np.getbufsize()
+    with unbuffered_runs(1000):
+        assert np.getbufsize() == 992  # the multiple of 16 numpy takes, no longer than the run
+    assert np.getbufsize() == before
+    with pytest.raises(RuntimeError), unbuffered_runs(10):
+        assert np.getbufsize() == 16
+        raise RuntimeError
+    assert np.getbufsize() == before
+    with unbuffered_runs(1 << 30):  # never more than numpy's own buffer
+        assert np.getbufsize() == before
+
+
+@pytest.mark.parametrize("shape, kernel, strides, pads, dilations", [
+    ((2, 9, 8, 6), (3, 3), [2, 2], [1, 1, 1, 1], [1, 1]), ((2, 9, 8, 6), (3, 3), [2, 2], [0, 1, 2, 0], [1, 1]),
+    ((2, 11, 10, 5), (3, 2), [3, 2], [2, 0, 1, 1], [2, 3]), ((1, 7, 9, 4), (5, 5), [2, 1], [2, 2, 2, 2], [1, 1]),
+    ((2, 8, 8, 3), (2, 2), [2, 2], [0, 0, 0, 0], [1, 1])])
+def test_strided_depthwise_conv_is_the_per_tap_multiply_add_bit_for_bit(shape, kernel, strides, pads, dilations):
+    """Taps read from phase planes: the graph's depthwise Conv as written (tap by tap in row-major
+    order, product then sum, spelled out here on numpy's padded array) bit for bit, and torch's."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(shape).astype(np.float32)  # (N, H, W, C)
+    c = shape[-1]
+    w = rng.standard_normal((c, 1, *kernel)).astype(np.float32)
+    attrs = {"group": c, "strides": strides, "pads": pads, "dilations": dilations}
+    got = conv_kernels.conv_channels_last(x, w, **attrs)[0]
+    padded = np.pad(x, [(0, 0), (pads[0], pads[2]), (pads[1], pads[3]), (0, 0)])
+    want = None
+    for i, j in np.ndindex(*kernel):
+        tap = padded[:, i * dilations[0]::strides[0], j * dilations[1]::strides[1]][:, :got.shape[1], :got.shape[2]]
+        term = tap * w[:, 0, i, j]
+        want = term if want is None else want + term
+    np.testing.assert_array_equal(got, want)
+    oracle = torch.nn.functional.conv2d(torch.from_numpy(np.ascontiguousarray(padded.transpose(0, 3, 1, 2))), torch.from_numpy(w),
+                                        stride=strides, dilation=dilations, groups=c).numpy()
+    np.testing.assert_allclose(got, _last(oracle), rtol=1e-5, atol=1e-5)
+
+
+_PLAIN_1X1 = [{}, {"pads": [0, 0, 0, 0], "strides": [1, 1], "kernel_shape": [1, 1], "dilations": [2, 2]}]
+
+
+# padded or strided 1x1 Convs take the general kernel (the channels-last ConvTranspose has none: the pass
+# admits only plain 1x1 ones)
+@pytest.mark.parametrize("op, attrs", [*(("Conv", a) for a in [*_PLAIN_1X1, {"pads": [1, 0, 1, 0]}, {"strides": [2, 1]}]),
+                                       *(("ConvTranspose", a) for a in _PLAIN_1X1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bound_channels_last_1x1_conv_is_the_kernel_bit_for_bit_and_torchs(op, attrs, bias):
+    """The ChannelsLast node's Conv and ConvTranspose (the 1x1 ones called straight) against the channels-last
+    kernels (bit for bit) and torch's conv2d / conv_transpose2d."""
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2, 6, 5, 4)).astype(np.float32)  # (N, C, H, W)
+    w = rng.standard_normal((7, 6, 1, 1) if op == "Conv" else (6, 7, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(7).astype(np.float32) if bias else None
+    run = layout_ops._channels_last_op({"layout_op": op, "layout_outputs": 1, **attrs}, 17)
+    args = (_last(x), w) if b is None else (_last(x), w, b)
+    got = run(*args)[0]
+    kernel = conv_kernels.conv_channels_last if op == "Conv" else conv_kernels.conv_transpose_channels_last
+    np.testing.assert_array_equal(got, kernel(*args, **attrs)[0])
+    tensors = [torch.from_numpy(a) for a in (x, w)] + [None if b is None else torch.from_numpy(b)]
+    pads = attrs.get("pads", [0, 0, 0, 0])
+    if op == "Conv":
+        oracle = torch.nn.functional.conv2d(*tensors, stride=attrs.get("strides", 1), padding=(pads[0], pads[1]))
+    else:
+        oracle = torch.nn.functional.conv_transpose2d(*tensors, stride=attrs.get("strides", 1), padding=(pads[0], pads[1]))
+    np.testing.assert_allclose(got, _last(oracle.numpy()), rtol=1e-5, atol=1e-5)
