@@ -199,7 +199,14 @@ def _stride_one_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     Channel-major planes, not pixel-major ones: they are copied
     in runs of W from X (a channels-last copy moved one value at a time: 2.4 of the 11 ms of UNet's
     32-channel 32x32 layer at batch 32), and BLAS ran the tap products 1.2-1.5x faster this way round
-    (AMD EPYC Zen 4, one thread). ``kernel``, ``dilations``; ``pads``: (begin H, W, end H, W)."""
+    (AMD EPYC Zen 4, one thread). ``kernel``, ``dilations``; ``pads``: (begin H, W, end H, W).
+
+    At two threads it runs no faster: BLAS does not split a product whose (C, M) result is this
+    small. Sharing the blocks out among two Python threads (BLAS at one thread meanwhile, the blocks'
+    terms added in block order) made the node alone 1.23x faster (5.37 -> 4.35 ms, UNet's 32-to-16
+    layer at batch 32) but UNet's whole step 1.02-1.03x slower (both alternating in one process,
+    2 cores, quiet): OpenBLAS's workers, spinning after the step's threaded products, hold the
+    second core the other thread needs. So it stays on one thread."""
     (kh, kw), (dh, dw), (top, left, bottom, right) = attrs["kernel"], attrs["dilations"], attrs["pads"]
 
     def run(x, dy):
