@@ -314,6 +314,15 @@ def windows_channels_last(Xl: np.ndarray, W: np.ndarray, geo: WindowGeometry) ->
     return Y.reshape(N, *geo.out, M)
 
 
+def pointwise_channels_last(Xl: np.ndarray, W: np.ndarray, transposed: bool = False) -> np.ndarray:
+    """A 1x1 convolution (or, ``transposed``, a 1x1 transposed one) of one group, stride 1 and no
+    padding on a channels-last array, no bias: a matrix product per pixel, (pixels, C) @ (C, M), the
+    same dot products as the channels-first GEMM summed in BLAS's order for this shape (rounding only)."""
+    C = Xl.shape[-1]
+    weights = W.reshape(C, -1) if transposed else W.reshape(W.shape[0], -1).T
+    return (Xl.reshape(-1, C) @ weights).reshape(*Xl.shape[:-1], weights.shape[1])
+
+
 def conv_channels_last(Xl, W, B=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
     """``conv`` on and to channels-last arrays. Depthwise: the same products and sums in the same
     order (the bias added per element as ``conv`` adds it), so the same bits; 1x1: one matrix
@@ -323,9 +332,7 @@ def conv_channels_last(Xl, W, B=None, *, auto_pad="NOTSET", dilations=None, grou
                          auto_pad=auto_pad)
     Xc, Wc, Bc = wide(Xl, W, B)
     if _pointwise(W, geo, group, Xl.shape[1:-1]):
-        # a matrix product per pixel: (pixels, C) @ (C, M), the same dot products as the channels-first
-        # GEMM summed in BLAS's order for this shape (rounding only)
-        Y = (Xc.reshape(-1, Xc.shape[-1]) @ Wc.reshape(Wc.shape[0], -1).T).reshape(*Xl.shape[:-1], Wc.shape[0])
+        Y = pointwise_channels_last(Xc, Wc)
     elif is_depthwise_conv(Xl.shape[-1], W.shape, group):
         Y = depthwise_channels_last(Xc, Wc, geo, group)
     elif group == 1:
@@ -532,7 +539,7 @@ def conv_transpose_channels_last(Xl, W, B=None, *, auto_pad="NOTSET", dilations=
         output_padding=output_padding, output_shape=output_shape, pads=pads, strides=strides)
     Xc, Wc, Bc = wide(Xl, W, B)
     if group == 1 and W.shape[2:] == (1, 1) and all(s == 1 for s in strides) and not any(begin) and tuple(out) == Xl.shape[1:-1]:
-        Y = (Xc.reshape(-1, Xc.shape[-1]) @ Wc.reshape(Wc.shape[0], -1)).reshape(*Xl.shape[:-1], Wc.shape[1])
+        Y = pointwise_channels_last(Xc, Wc, transposed=True)
     elif group == Xl.shape[-1] and W.shape[1] == 1:
         Y = transpose_depthwise_channels_last(Xc, Wc, strides, dilations, begin, out)
     else:
