@@ -61,8 +61,13 @@ def workers() -> int:
     BLAS's own count); unset, 1: the pool is off. Off by default because it never won on 2 Zen 4
     cores at 2 BLAS threads (scripts/elementwise_pool_ab.py, quiet machine): EfficientNet's train
     step at batch 32 took 40.5 ms with it against 38.5 ms without, the small CNN's at batch 64
-    4.44 against 4.43 ms. OpenBLAS's idle workers spin on the cores the pool needs; it pays only
-    where cores are free of BLAS's threads."""
+    4.44 against 4.43 ms. Not because OpenBLAS's idle workers hold the other core: with BLAS at
+    one thread (no workers at all) EfficientNet still took 40.4 ms with the pool against 38.3.
+    One large ufunc does split well (scripts/thread_handoff.py: np.exp over 786,432 float32 0.36 ms
+    on one thread, 0.24-0.25 in two halves, 0.28 when each half makes its own result and is copied
+    in, as here), but splitting the step's 28 elementwise kernels of at least 2^18 elements (each
+    several ufunc calls, the GIL handed over between them) cost 1.5-4.5 ms a step more in a
+    prototype, and a round trip to a waiting thread takes 17-53 us on this machine."""
     value = os.environ.get("ODT_ELEMENTWISE_THREADS", "").strip().lower()
     if not value:
         return 1

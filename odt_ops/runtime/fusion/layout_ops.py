@@ -205,8 +205,10 @@ def _stride_one_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
     small. Sharing the blocks out among two Python threads (BLAS at one thread meanwhile, the blocks'
     terms added in block order) made the node alone 1.23x faster (5.37 -> 4.35 ms, UNet's 32-to-16
     layer at batch 32) but UNet's whole step 1.02-1.03x slower (both alternating in one process,
-    2 cores, quiet): OpenBLAS's workers, spinning after the step's threaded products, hold the
-    second core the other thread needs. So it stays on one thread."""
+    2 cores, quiet). That session read it as OpenBLAS's workers spinning on the second core; a later
+    one found the elementwise pool losing as much with BLAS at one thread, so the cost is handing
+    work between Python threads inside a step (kernels/parallel.py has those figures). So it stays
+    on one thread."""
     (kh, kw), (dh, dw), (top, left, bottom, right) = attrs["kernel"], attrs["dilations"], attrs["pads"]
 
     def run(x, dy):
