@@ -6,8 +6,12 @@ kernels/parallel.py's default (its pool off):
 prints, as medians over ``--repeats`` runs: one large np.exp on one thread, the same split in two
 halves (each written into a result the caller made, and each made by its thread and copied in,
 as the pool does), both again when the caller has just written the array (as the node before
-does in a train step: the helper's half then comes from the other core's cache), and the round trip of an empty job to a waiting thread, straight after the
-last one and after the thread has waited ``--idle`` ms (as it does between a step's large nodes).
+does in a train step: the helper's half then comes from the other core's cache); a multiply of
+two such arrays with the caches cleared, alone and right after a matrix product (at two BLAS
+threads OpenBLAS's idle worker then spins on the second core: run it with
+``OPENBLAS_NUM_THREADS=2`` to see that); and the round trip of an empty job to a waiting thread,
+straight after the last one and after the thread has waited ``--idle`` ms (as it does between a
+step's large nodes).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import threading
 import time
 
 import numpy as np
+
+from odt_ops.kernels import parallel
 
 
 class Helper:
@@ -93,6 +99,28 @@ def main() -> None:
 
     print(f"  one thread, x just written by the caller    {median_ms(lambda: np.exp(x), args.repeats, before=rewrite):.3f}")
     print(f"  two halves into the caller's result, ditto  {median_ms(into_caller_result, args.repeats, before=rewrite):.3f}")
+    # memory-bound: two cold operands (caches cleared), alone and right after a matrix product at
+    # BLAS's thread count (OpenBLAS's workers then spin on the other cores for a while)
+    other = np.random.default_rng(1).standard_normal(args.shape, dtype=np.float32)
+    clear = np.ones(16 << 20, dtype=np.float32)  # 64 MiB, past any cache here
+    a, b = np.ones((1024, 512), dtype=np.float32), np.ones((512, 512), dtype=np.float32)
+
+    def split_multiply() -> None:
+        helper.start(lambda: np.multiply(x[half:], other[half:], out=y[half:]))
+        np.multiply(x[:half], other[:half], out=y[:half])
+        helper.join()
+
+    def cold() -> None:
+        clear.sum()
+
+    def cold_after_product() -> None:
+        clear.sum()
+        a @ b
+
+    print(f"np.multiply of two such arrays, caches cleared first (ms; BLAS threads {parallel.blas_threads()}):")
+    for name, before in (("", cold), (", after a matrix product", cold_after_product)):
+        whole = median_ms(lambda: np.multiply(x, other), args.repeats // 2, before=before)
+        print(f"  one thread{name:25s} {whole:.3f}   two halves {median_ms(split_multiply, args.repeats // 2, before=before):.3f}")
     print("round trip of an empty job to the waiting thread (us):")
     print(f"  straight after the last one                 {median_ms(round_trip, args.repeats) * 1000:.1f}")
     pause = args.idle / 1000
