@@ -67,7 +67,7 @@ def workers() -> int:
     on one thread, 0.24-0.25 in two halves, 0.28 when each half makes its own result and is copied
     in, as here), but splitting the step's 28 elementwise kernels of at least 2^18 elements (each
     several ufunc calls, the GIL handed over between them) cost 1.5-4.5 ms a step more in a
-    prototype, and a round trip to a waiting thread takes 17-53 us on this machine."""
+    prototype, and a round trip to a waiting thread takes 14-57 us on this machine."""
     value = os.environ.get("ODT_ELEMENTWISE_THREADS", "").strip().lower()
     if not value:
         return 1
