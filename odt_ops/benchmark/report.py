@@ -12,6 +12,11 @@ TITLES = {"train_ms": "train step (forward + backward + optimizer step + gradien
           "cold_start_ms": "cold start (import + artifact or model load + first train step), median ms over processes"}
 RATIOS = (("odt", "ort-training", "odt/ORT"), ("odt", "torch", "odt/torch"), ("odt", "ort-inference", "odt/ort-inf"))
 PERSONALIZE_PARTS = ("cold_start", "train_steps", "export")
+# a peer whose processes' train-step medians differ by more than this factor gets a * in the train
+# step table: the ± of the pooled steps hides it. On this project's shared 2-core VMs one slow process
+# of three moved mlp-adamw's odt/ORT at batch 16 from about 1.1 to 1.66, and two-thread runs differ
+# by up to 1.3x between processes of one peer (benchmark runs of 2026-11-27, README Performance)
+PROCESS_SPREAD = 1.15
 
 
 def stats(values) -> dict:
@@ -111,6 +116,8 @@ def _cell(summary: dict | None, metric: str) -> str:
     text = f"{s['median']:.{digits}f}"
     if metric in ("train_ms", "eval_ms") and s["iqr_pct"] is not None:
         text += f" ±{s['iqr_pct'] / 2:.0f}%"
+    if metric == "train_ms" and (process_spread(summary) or 0) > PROCESS_SPREAD:
+        text += "*"
     return text
 
 
@@ -177,6 +184,12 @@ def render_threads(doc: dict) -> str:
             f"over {counts[0]} thread(s) (xN)\n" + _table(rows, 2) + note)
 
 
+def process_spread(summary: dict) -> float | None:
+    """Largest over smallest of a peer's per-process train-step medians (None with one process)."""
+    medians = summary.get("train_ms_per_process") or []
+    return max(medians) / min(medians) if len(medians) > 1 and min(medians) > 0 else None
+
+
 def render_tables(doc: dict) -> str:
     peers = doc["settings"]["peers"]
     ratio_labels = [label for a, b, label in RATIOS if a in peers and b in peers]
@@ -203,6 +216,10 @@ def render_tables(doc: dict) -> str:
     for res in doc.get("personalize", []):
         notes += [f"{res['config']} batch {res['batch']} {peer} (time to personalize): failed: {s.get('reason')}"
                   for peer, s in res["peers"].items() if s["status"] == "failed"]
+    if any((process_spread(s) or 0) > PROCESS_SPREAD for res in doc["results"] for s in res["peers"].values()):
+        notes.append(f"* after a train step: that peer's processes' own medians differ by more than {PROCESS_SPREAD}x "
+                     "(largest over smallest; train_ms_per_process in the JSON), so the row's ratios rest on which "
+                     "process ran slow: compare with more --repeats.")
     for res in doc["results"]:
         for peer, s in res["peers"].items():
             if s["status"] == "failed":

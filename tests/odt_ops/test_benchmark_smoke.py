@@ -147,3 +147,36 @@ def test_the_profile_runs_at_the_thread_count_asked(threads):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f", {threads} BLAS thread(s)" in proc.stdout.splitlines()[0]
+
+
+def _worker_run(train_ms: list[float]) -> dict:
+    """One worker's report as harness.main writes it (only the fields the summaries read)."""
+    return {"status": "ok", "train_ms": train_ms, "eval_ms": [1.0], "peak_rss_mib": 60.0, "cold_start_ms": 200.0,
+            "cold_start_parts_ms": {"import": 100.0, "load": 50.0, "first_step": 50.0}, "first_loss": 2.3,
+            "last_loss": 2.0, "eval_loss": 2.1, "imports_torch": False, "versions": {}}
+
+
+@pytest.mark.parametrize("slow_process, marked", [(1.10, False), (1.25, True)])
+def test_a_peer_whose_processes_disagree_is_marked_in_the_train_table(slow_process, marked):
+    """The ± pools every step of every process, so one slow process barely widens it while it moves
+    the median the ratios use; the train step table marks such a peer and says why under the tables."""
+    from types import SimpleNamespace
+
+    from odt_ops.benchmark.report import PROCESS_SPREAD, process_spread, render_tables, summarize
+
+    steady = [_worker_run([1.0, 1.0, 1.01]) for _ in range(3)]
+    uneven = [_worker_run([1.0, 1.0, 1.0]), _worker_run([1.0, 1.01, 1.0]), _worker_run([slow_process] * 3)]
+    envs = {"odt": SimpleNamespace(python=sys.executable, reason=None), "torch": SimpleNamespace(python=sys.executable, reason=None)}
+    result = {**summarize("mlp-adamw", 16, {"odt": uneven, "torch": steady}, envs, {}), "threads": 1}
+    assert process_spread(result["peers"]["odt"]) == pytest.approx(slow_process / 1.0)
+    assert process_spread(result["peers"]["torch"]) == pytest.approx(1.0)
+    doc = {"settings": {"peers": ["odt", "torch"], "threads": [1]}, "results": [result], "personalize": [],
+           "machine": {"cores": 2, "load_average_start": [0.5], "load_average_end": [0.5]},
+           "peers": {"odt": {"available": True}, "torch": {"available": True}}}
+    text = render_tables(doc)
+    train_block = text[text.index("train step"):text.index("eval step")]
+    (row,) = [line for line in train_block.splitlines() if line.startswith("mlp-adamw")]
+    _, _, _, odt_spread, _, torch_spread, _ = row.split()  # config, batch, odt median ±, torch median ±, odt/torch
+    assert odt_spread.endswith("*") is marked
+    assert not torch_spread.endswith("*")  # torch's processes agree
+    assert (f"more than {PROCESS_SPREAD}x" in text) is marked
