@@ -14,8 +14,8 @@ RATIOS = (("odt", "ort-training", "odt/ORT"), ("odt", "torch", "odt/torch"), ("o
 PERSONALIZE_PARTS = ("cold_start", "train_steps", "export")
 # a peer whose processes' train-step medians differ by more than this factor gets a * in the train
 # step table: the ± of the pooled steps hides it. On this project's shared 2-core VMs one slow process
-# of three moved mlp-adamw's odt/ORT at batch 16 from about 1.1 to 1.66, and two-thread runs differ
-# by up to 1.3x between processes of one peer (benchmark runs of 2026-11-27, README Performance)
+# of three (0.52 against 0.311 ms) moved mlp-adamw's odt/ORT at batch 16 from 1.56 to 1.66, and
+# two-thread runs differ by up to 1.3x between processes of one peer (runs of 2026-11-27, README)
 PROCESS_SPREAD = 1.15
 
 
