@@ -461,9 +461,12 @@ def _transpose_depthwise(X: np.ndarray, W: np.ndarray, group: int, strides, dila
     return _channels_first(transpose_depthwise_channels_last(_channels_last(X), W, strides, dilations, first, out))
 
 
-# ``transpose_depthwise_channels_last``'s multiply-adds run in ``unbuffered_runs`` of this many elements:
-# 0.72-0.92x the time of numpy's default buffer on the benchmark CNNs' layers, batch 8 and 32
-_TRANSPOSE_RUN = 2048
+# the strided per-tap multiplies of a depthwise convolution's input gradient (here) and weight gradient
+# (runtime/fusion/layout_ops.py, DepthwiseWeightGrad) run in ``unbuffered_runs`` of this many elements:
+# on the benchmark CNNs' layers, batch 8 and 32, one thread, AMD EPYC Zen 4, the input gradient took
+# 0.72-0.92x the time of numpy's default buffer, the weight gradient 0.80-0.95x at stride 1 (0.98-1.00
+# at stride 2)
+TAP_RUN = 2048
 
 
 def transpose_depthwise_channels_last(Xl: np.ndarray, W: np.ndarray, strides, dilations, first: Sequence[int],
@@ -481,7 +484,7 @@ def transpose_depthwise_channels_last(Xl: np.ndarray, W: np.ndarray, strides, di
     Y = np.zeros((N, *out, C), dtype=dtype)
     weights = np.ascontiguousarray(W.reshape(C, -1).T)  # (taps, C)
     term = np.empty(Xl.shape, dtype=dtype)
-    with unbuffered_runs(_TRANSPOSE_RUN):
+    with unbuffered_runs(TAP_RUN):
         for t, tap in enumerate(np.ndindex(*kernel)):
             src, dst = [], []
             for k, d, s, f, n, o in zip(tap, dilations, strides, first, spatial, out):

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 from odt_ops.kernels.channels import batch_norm_grad_rows, batch_norm_inference_rows, batch_norm_rows, unbuffered_runs
-from odt_ops.kernels.conv import conv_channels_last, conv_transpose_channels_last, pointwise_channels_last
+from odt_ops.kernels.conv import TAP_RUN, conv_channels_last, conv_transpose_channels_last, pointwise_channels_last
 from odt_ops.runtime.fusion.graph import DOMAIN, bind, fused_op, kernel_entry
 from odt_ops.runtime.fusion.normalization import normalization_training_grad
 
@@ -155,7 +155,7 @@ def _depthwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
         sums = np.ones(dy.size // c, dtype=dy.dtype)
         product = np.empty(dy.shape, dtype=np.result_type(x, dy))
         out = np.empty((c, len(regions), 1), dtype=product.dtype)
-        with unbuffered_runs(_TAP_RUN):
+        with unbuffered_runs(TAP_RUN):
             for t, region in enumerate(regions):
                 index = [slice(None)] * 4
                 for axis, start, end, step in region:
@@ -168,12 +168,6 @@ def _depthwise_weight_grad(attrs: dict, opset: int) -> Callable[..., tuple]:
         return (out,)
 
     return run
-
-
-# ``DepthwiseWeightGrad``'s tap products read runs of this many elements in place (kernels/channels.py,
-# ``unbuffered_runs``): at stride 1 0.80-0.95x the node's time on the benchmark CNNs' layers, batch 8
-# and 32, stride 2 unchanged (0.98-1.00; one thread, AMD EPYC Zen 4 under load)
-_TAP_RUN = 2048
 
 
 # ``StrideOneWeightGrad`` takes its tap products over blocks of pixels whose planes and output gradient

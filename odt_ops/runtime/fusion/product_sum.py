@@ -3,7 +3,7 @@
 GroupNorm's export scales by Mul(normalized, gamma[C, 1, 1]); the gradient rule writes gamma's
 gradient as the product dY * normalized, then ReduceSum over every axis but the channels. As one
 node the product is never materialized: the per-(n, c) plane dot products run through BLAS
-(kernels/nn.py's row_dots, from planes of ROW_DOT_MIN elements) and the batch's are added. That sums in another order than the ReduceSum kernel, so the
+(kernels/reduce.py's row_dots, from planes of ROW_DOT_MIN elements) and the batch's are added. That sums in another order than the ReduceSum kernel, so the
 result differs from the graph as written by float rounding only; every other operand shape,
 dtype or axis set runs the Mul and ReduceSum kernels themselves, bit-equal to the graph.
 """
