@@ -10,8 +10,10 @@ part and ``data.user_samples`` digits for the user, which are re-rendered in the
 user's handwriting (``data.style``: a slant and a heavier pen, see
 ``datasets.render_style``). The user labels ``data.user_train_per_class`` digits per
 class on the device; the rest is the holdout that measures personalization. With
-``data.user_data`` set, the user's own samples replace the simulated user and are
-split ``data.user_holdout_fraction`` into the holdout. With ``data.user_data`` null,
+``data.user_data`` set, the user's own samples replace the simulated user and about
+``data.user_holdout_fraction`` of them are the holdout, each sample's side fixed by a hash
+of its pixels (``repeatable_split``: a sample keeps its side as data is added, which the
+scheduled retraining relies on). With ``data.user_data`` null,
 files dropped into data/user are used the same way when their format is clear; when it
 is not, one line says why and which key to set.
 
@@ -21,6 +23,7 @@ global test set versus the user's holdout shows how far the user is from the cro
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import math
 import sys
@@ -122,7 +125,7 @@ def run(cfg, paths: Paths, tracker: NullRun = NO_TRACKING) -> dict:
     user_data = d.user_data or _dropped_files(d, paths)
     if user_data:
         ux, uy = datasets.load_user_data(paths.resolve(user_data), d, shown=user_data)
-        train_idx, hold_idx = _split_per_class(uy, rng, holdout_fraction=d.user_holdout_fraction)
+        train_idx, hold_idx = repeatable_split(ux, cfg.seed, d.user_holdout_fraction)
         source = f"own data: {user_data}"
     else:
         style = d.style
@@ -177,21 +180,38 @@ def _dropped_files(d, paths: Paths) -> str | None:
     return shown
 
 
-def _split_per_class(y: np.ndarray, rng: np.random.Generator, *, train_per_class: int | None = None, holdout_fraction: float | None = None):
-    """Indices (train, holdout), stratified by class and seeded."""
+def _split_per_class(y: np.ndarray, rng: np.random.Generator, *, train_per_class: int):
+    """The simulated user's indices (train, holdout): ``train_per_class`` of each class, seeded."""
     train, hold = [], []
     for c in np.unique(y):
         idx = rng.permutation(np.flatnonzero(y == c))
-        if train_per_class is not None:
-            k = min(train_per_class, len(idx) - 1) if len(idx) > 1 else len(idx)
-        else:
-            k = len(idx) - int(round(holdout_fraction * len(idx)))
-            k = min(max(k, 1), len(idx))
+        k = min(train_per_class, len(idx) - 1) if len(idx) > 1 else len(idx)
         train.extend(idx[:k])
         hold.extend(idx[k:])
-    if not train or not hold:
-        raise DataError(f"the user's data has {len(y)} samples: too few for both a training set and a holdout")
     return np.sort(np.array(train)), np.sort(np.array(hold))
+
+
+def repeatable_split(x: np.ndarray, seed: int, holdout_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The user's own samples' indices (train, holdout): each sample's side is decided by a hash of
+    its pixels and the seed alone (holdout when the hash, as a fraction, is below
+    ``holdout_fraction``), never by which other samples are there.
+
+    Why not a shuffle: the scheduled job (pipeline/retrain.py) splits the whole inbox again on
+    every run, and a shuffle of the grown inbox moved samples a promoted model had trained on
+    into the new holdout, on which that model and its successor were then compared. With a
+    hash, a sample keeps its side as files are added (and a duplicate sits with its copy), so
+    a holdout never holds a sample any earlier split trained on. The price: the holdout is
+    ``holdout_fraction`` of the samples on average, not per class exactly. Another seed is
+    another split."""
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(len(x), -1)
+    key = str(int(seed)).encode()
+    fraction = np.array([int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8, key=key).digest(), "little")
+                         for row in flat], dtype=np.float64) / 2.0 ** 64
+    hold = fraction < holdout_fraction
+    if hold.all() or not hold.any():
+        raise DataError(f"the user's data has {len(x)} sample(s), all of which fell on one side of the split "
+                        f"(data.user_holdout_fraction={holdout_fraction}): add samples so both a training set and a holdout remain")
+    return np.flatnonzero(~hold), np.flatnonzero(hold)
 
 
 def _nearest_centroid(x: np.ndarray, y: np.ndarray, num_classes: int):

@@ -87,11 +87,41 @@ def test_own_npz_replaces_the_simulated_user(tmp_path):
     np.savez(tmp_path / "mine.npz", x=x / 16.0, y=y)
     paths = Paths(tmp_path)
     m = prepare.run(load_cfg("data.user_data=mine.npz", "data.user_holdout_fraction=0.5"), paths)
-    assert m["n_user_train"] == 30
-    assert m["n_user_holdout"] == 30
+    assert m["n_user_train"] + m["n_user_holdout"] == 60
+    assert 30 - 12 <= m["n_user_holdout"] <= 30 + 12  # a fair coin per sample: within 3 standard deviations
     ux = np.concatenate([load_npz(paths.split(s))["x"] for s in ("user_train", "user_holdout")])
     assert ux.shape == (60, 1, 8, 8)
     assert np.isclose(np.sort(ux.ravel()), np.sort((x / 16.0).ravel().astype(np.float32))).all()
+
+
+def _rows(paths: Paths, split: str) -> set[bytes]:
+    return {row.tobytes() for row in load_npz(paths.split(split))["x"]}
+
+
+def test_a_sample_trained_on_never_enters_a_later_holdout(tmp_path):
+    """The scheduled job splits the whole inbox again each time files arrive (pipeline/retrain.py), and
+    compares the promoted model with its successor on the new holdout: every sample keeps its side as the
+    inbox grows, so no holdout holds a sample an earlier split trained on. The oracle is the samples
+    themselves (their pixels), not the split's indices."""
+    inbox = tmp_path / "data" / "user"
+    inbox.mkdir(parents=True)
+    x, y = _own_samples(200, seed=1)
+    np.savez(inbox / "first.npz", x=x / 16.0, y=y)
+    paths = Paths(tmp_path)
+    cfg = load_cfg("data.user_data=data/user")
+    prepare.run(cfg, paths)
+    trained, held = _rows(paths, "user_train"), _rows(paths, "user_holdout")
+    more_x, more_y = _own_samples(300, seed=2)
+    np.savez(inbox / "second.npz", x=more_x / 16.0, y=more_y)
+    prepare.run(cfg, paths)
+    assert not trained & _rows(paths, "user_holdout")
+    assert held <= _rows(paths, "user_holdout")
+    assert len(_rows(paths, "user_train") | _rows(paths, "user_holdout")) == 500
+    # about the configured share of all 500 samples (a binomial's 3 standard deviations: 33)
+    held_now = _rows(paths, "user_holdout")
+    assert abs(len(held_now) - 250) <= 33
+    prepare.run(load_cfg("data.user_data=data/user", "seed=1"), paths)
+    assert _rows(paths, "user_holdout") != held_now  # another seed is another split
 
 
 def test_own_csv_with_pixel_max(tmp_path):
@@ -114,8 +144,8 @@ def test_own_image_folder_dark_ink_is_inverted(tmp_path):
             Image.fromarray(a).save(tmp_path / "imgs" / str(c) / f"{k}.png")
     paths = Paths(tmp_path)
     m = prepare.run(load_cfg("data.user_data=imgs"), paths)
-    assert m["n_user_train"] == 10
-    assert m["n_user_holdout"] == 10
+    assert m["n_user_train"] + m["n_user_holdout"] == 20
+    assert m["n_user_train"] > 0 and m["n_user_holdout"] > 0
     x = load_npz(paths.split("user_train"))["x"]
     assert x.shape[1:] == (1, 8, 8)
     assert x.mean() < 0.3
