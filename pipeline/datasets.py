@@ -6,8 +6,10 @@ dark background (0 = paper), as scikit-learn's digits are; labels are int64 clas
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -97,10 +99,29 @@ def _ignored(rel: Path) -> bool:
     return any(part.startswith(".") for part in rel.parts) or rel.name.upper().startswith(README)
 
 
-def folder_format(folder: Path, fmt: str, *, key: str = "data.user_format") -> str | None:
+@contextlib.contextmanager
+def written_as(path: Path, shown: str | None) -> Iterator[None]:
+    """A DataError raised inside names the files under ``path`` as the user wrote ``path``
+    (``shown``, relative to the repository): the scheduled job runs prepare in DVC's temporary
+    copy (``dvc exp run --temp``), whose absolute paths name a folder the user never saw."""
+    try:
+        yield
+    except DataError as exc:
+        if not shown or str(path) == shown:
+            raise
+        raise DataError(str(exc).replace(str(path), shown)) from None
+
+
+def folder_format(folder: Path, fmt: str, *, key: str = "data.user_format", shown: str | None = None) -> str | None:
     """What a folder of user data holds: ``npz`` or ``csv`` files at its top, or ``images``
     in class subfolders; None when it holds no data. A folder that mixes them, or holds a
-    file of none of these kinds, is a DataError naming the file and ``key``."""
+    file of none of these kinds, is a DataError naming the file (under ``shown``, the folder
+    as the user wrote it) and ``key``."""
+    with written_as(folder, shown):
+        return _folder_format(folder, fmt, key)
+
+
+def _folder_format(folder: Path, fmt: str, key: str) -> str | None:
     kinds: dict[str, Path] = {}
     for f in user_files(folder):
         rel = f.relative_to(folder)
@@ -122,6 +143,11 @@ def load_user_data(path: Path, data_cfg, *, shown: str) -> tuple[np.ndarray, np.
     """The user's own samples from an .npz, a .csv, a folder of either, or an image folder
     (``data.user_format``), checked against ``data.input_shape`` and ``data.num_classes``.
     ``shown`` is the path as the user wrote it, for messages."""
+    with written_as(path, shown):
+        return _load_user_data(path, data_cfg, shown)
+
+
+def _load_user_data(path: Path, data_cfg, shown: str) -> tuple[np.ndarray, np.ndarray]:
     fmt = data_cfg.user_format.value
     if not path.exists():
         raise DataError(
@@ -129,7 +155,7 @@ def load_user_data(path: Path, data_cfg, *, shown: str) -> tuple[np.ndarray, np.
             "for the simulated user (formats: data/user/README.md)"
         )
     if path.is_dir():
-        fmt = folder_format(path, fmt)
+        fmt = _folder_format(path, fmt, "data.user_format")
         if fmt is None:
             kind = "" if data_cfg.user_format.value == "auto" else f" {data_cfg.user_format.value}"
             raise DataError(f"data.user_data={shown}: {path} holds no{kind} data (formats: data/user/README.md)")

@@ -167,7 +167,7 @@ def _dropped_files(d, paths: Paths) -> str | None:
         return None
     shown = paths.show(folder)
     try:
-        fmt = datasets.folder_format(folder, d.user_format.value)
+        fmt = datasets.folder_format(folder, d.user_format.value, shown=shown)
     except DataError as exc:
         print(f"prepare: not using the {len(files)} file(s) in {shown}: {exc}; meanwhile the simulated user stands in", file=sys.stderr)
         return None

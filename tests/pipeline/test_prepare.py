@@ -124,6 +124,20 @@ def test_a_sample_trained_on_never_enters_a_later_holdout(tmp_path):
     assert _rows(paths, "user_holdout") != held_now  # another seed is another split
 
 
+@pytest.mark.parametrize("user_data", ["data/user/broken.npz", "null"], ids=["named", "dropped"])
+def test_a_bad_file_is_named_as_the_user_wrote_it(tmp_path, user_data):
+    """The scheduled job runs prepare in DVC's temporary copy (.dvc/tmp/exps/...), a folder the user
+    never saw: a bad file is named relative to the repository, as the user put it there."""
+    copy = tmp_path / ".dvc" / "tmp" / "exps" / "standalone" / "tmpabc123"
+    (copy / "data" / "user").mkdir(parents=True)
+    (copy / "data" / "user" / "broken.npz").write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(DataError) as info:
+        prepare.run(load_cfg(f"data.user_data={user_data}"), Paths(copy))
+    message = str(info.value)
+    assert "data/user/broken.npz: not a readable .npz" in message, message
+    assert str(copy) not in message, message
+
+
 def test_own_csv_with_pixel_max(tmp_path):
     x, y = _own_samples(40)
     lines = ["label," + ",".join(f"p{i}" for i in range(64))] + [f"{c}," + ",".join(str(int(v)) for v in row) for c, row in zip(y, x)]
