@@ -41,6 +41,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -212,10 +213,11 @@ def run_experiment(job: Job, new: NewData, env: dict) -> Candidate:
     sets = [*job.overrides, f"data.user_data='{new.user_data}'", f"data.user_format={new.user_format}", *init]
     copies = [a for rel in _untracked(paths.root, job.inbox) for a in ("-C", rel)]  # git's stash carries the tracked ones
     cmd = [sys.executable, "-m", "dvc", "exp", "run", "--temp", *copies, "-n", job.id, *[a for s in sets for a in ("-S", s)], *TARGETS]
-    code = _run(cmd, paths.root, env)
+    code, stage_error = _run(cmd, paths.root, env)
     _tracking_written()
     if code != 0:
-        raise JobError(f"the pipeline failed (dvc exp run exited {code}; the output above names the stage)")
+        raise JobError(f"the pipeline failed: {stage_error}" if stage_error else
+                       f"the pipeline failed (dvc exp run exited {code}; the output above names the stage)")
     rev = _experiment_rev(paths.root, job.id)
     root = job.state / f".candidate-{job.id}"
     shutil.rmtree(root, ignore_errors=True)
@@ -408,11 +410,25 @@ def _paths(candidate: Candidate):
     return Paths(candidate.root)
 
 
-def _run(cmd: list[str], root: Path, env: dict) -> int:
-    """Run DVC in its own process group; an interrupt stops it and is re-raised."""
-    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True)
+# a stage's one-line error as pipeline/stage.py prints it (``prepare: error: data/user/x.npz: ...``)
+STAGE_ERROR = re.compile(r"^(?P<stage>[a-z_]+): error: .+")
+
+
+def _run(cmd: list[str], root: Path, env: dict) -> tuple[int, str | None]:
+    """Run DVC in its own process group, its output passed through line by line; (exit code, the
+    last stage error line it printed, which the job's record keeps: a cron log is read later, if at
+    all). An interrupt stops it and is re-raised."""
+    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace")
+    stage_error = None
     try:
-        return proc.wait()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if STAGE_ERROR.match(line):
+                stage_error = line.strip()
+        return proc.wait(), stage_error
     except BaseException:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

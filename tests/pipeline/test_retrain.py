@@ -244,6 +244,18 @@ def test_retrain_job_trains_on_the_inbox_and_keeps_the_workspace(tmp_path, mlflo
     history = [json.loads(line) for line in (repo / "data/retrain/history.jsonl").read_text().splitlines()]
     assert [(h["decision"], h["inbox_files"]) for h in history] == [("promoted", 60), ("kept", 70)]
 
+    # 3b. a damaged image: the job fails in prepare, naming the file where the user put it (not in DVC's
+    # temporary copy), and its history line keeps that stage's error; the promoted model stays
+    (inbox / "3" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    out = job(repo, env, code=1)
+    (error,) = [line for line in out.splitlines() if line.startswith("prepare: error:")]
+    assert error.startswith("prepare: error: data/user/3/broken.png: not a readable image"), out
+    failed = json.loads((repo / "data/retrain/history.jsonl").read_text().splitlines()[-1])
+    assert failed["decision"] == "failed"
+    assert failed["reason"].startswith("the pipeline failed: prepare: error: data/user/3/broken.png: not a readable image"), failed
+    assert promoted_state(repo) == first
+    (inbox / "3" / "broken.png").unlink()
+
     # 4. a second job while one holds the lock exits at once with a clear message (75: try again later)
     with promotion.job_lock(repo / "data/retrain/lock"):
         out = job(repo, env, "--force", code=75)
