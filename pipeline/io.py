@@ -245,7 +245,8 @@ def verify_digest(path: str | os.PathLike, shown: str | None = None) -> None:
     got = sha256_file(path)
     if got != want:
         raise DataError(f"{shown or path}: changed after its stage wrote it (sha256 {got[:12]}..., recorded {want[:12]}... in "
-                        f"{sums.name}); restore it with dvc checkout, or rerun the stage that writes it (dvc repro -f)")
+                        f"{sums.name}); restore it with dvc checkout --force {shown or path} (git checkout -- for a file kept in git), "
+                        "or rerun the stage that writes it (dvc repro -f <stage>)")
 
 
 def _umask() -> int:

@@ -76,6 +76,17 @@ def test_dvc_repro_caching_and_overrides_in_a_fresh_clone(tmp_path):
     assert not [p for p in staged if p.endswith((".onnx", ".npz", "checkpoint", ".odtdiff"))], staged
     subprocess.run(["git", "commit", "-q", "-m", "baseline"], cwd=repo, env=env, check=True)
 
+    # a stage run by hand changes its outputs; the README's command puts back what dvc.lock records
+    hand = subprocess.run([sys.executable, "-m", "pipeline.train", "optimizer.lr=1e-2"], cwd=repo, env=env, capture_output=True, text=True)
+    assert hand.returncode == 0, hand.stderr
+    assert "data/train/checkpoint" in dvc(repo, env, "status")[1]
+    restore = re.search(r"`git checkout -- (data/train) && dvc (checkout --force train)`", (REPO / "README.md").read_text(encoding="utf-8"))
+    assert restore, "the README's restore command for a stage run by hand"
+    subprocess.run(["git", "checkout", "--", restore[1]], cwd=repo, env=env, check=True)
+    dvc(repo, env, *restore[2].split())
+    assert "Data and pipelines are up to date" in dvc(repo, env, "status")[1]
+    assert not subprocess.run(["git", "status", "--porcelain"], cwd=repo, env=env, capture_output=True, text=True).stdout
+
     # the learning rate is a runtime setting: train, evaluate, export only
     ran, out = dvc(repo, env, "exp", "run", "-n", "lr", "-S", "optimizer.lr=1e-2")
     assert ran == ["train", "evaluate", "export"], out
