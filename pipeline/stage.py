@@ -1,8 +1,10 @@
 """What every stage's ``main()`` does around its ``run(cfg, paths, tracker)``.
 
 1. load and validate the configuration (``pipeline.config.load``: params.yaml, plus the
-   overrides of a hand run), before any work; Hydra's ``--cfg``/``--info``/``--hydra-help``
-   go to Hydra (pipeline/config/hydra_flags.py), a sweep is refused with the DVC command;
+   overrides of a hand run), before any work; Hydra's own flags are dispatched first
+   (pipeline/config/hydra_flags.py: ``--cfg``/``--info``/``--hydra-help`` go to Hydra,
+   ``-sc`` prints a completion script, ``--run`` runs, a sweep is refused with the DVC
+   command, a flag that does not apply to a stage is refused in one line);
 2. open the stage's MLflow run (``pipeline.tracking.stage_run``);
 3. call ``run`` with the stage's output directory redirected to a staging directory,
    and swap it into ``data/<stage>/`` only if ``run`` succeeded, so a failure leaves
@@ -46,10 +48,12 @@ def usage(stage: str) -> str:
         "The stage runs what DVC would run (params.yaml) plus the overrides (Hydra grammar: key=value,\n"
         "+key=value, group=option; a group switch recomposes that group's section from conf/ and says so).\n"
         "Hydra's flags: --cfg job|hydra|all [--resolve] [-p KEY] prints the composed configuration, --info,\n"
-        "--hydra-help; a sweep (-m, key=a,b) runs as DVC experiments: dvc exp run --queue -S 'key=a,b'.\n"
+        f"--hydra-help, --run (the default); tab completion: eval \"$(python -m pipeline.{stage} -sc install=bash)\";\n"
+        "a sweep (-m, key=a,b) runs as DVC experiments: dvc exp run --queue -S 'key=a,b'.\n"
         f"Examples: python -m pipeline.{stage} optimizer.lr=3e-3 model=cnn\n"
         f"Outputs go to data/{stage}/ as under DVC (`dvc status` then shows them changed;\n"
-        "`dvc checkout` restores DVC's). Exit codes: 2 bad configuration, 1 bad input.\n\n"
+        f"`git checkout -- data/{stage} && dvc checkout --force {stage}` restores DVC's).\n"
+        "Exit codes: 2 bad configuration, 1 bad input.\n\n"
         f"Config groups:\n{groups}\n"
     )
 
@@ -70,10 +74,9 @@ def main(stage: str, run: RunFn, argv: Sequence[str] | None = None, *, artifacts
         from pipeline.config import hydra_flags
         from pipeline.io import publish_dir, write_digests
 
-        if hydra_flags.is_multirun(args) or hydra_flags.sweeps(hydra_flags.split(args)[1]):
-            raise hydra_flags.sweep_error(stage, [a for a in hydra_flags.split(args)[1] if a not in hydra_flags.MULTIRUN])
-        if hydra_flags.wants_hydra(args):
-            return hydra_flags.run_hydra(stage, args)
+        exit_code, args = hydra_flags.dispatch(stage, args)  # Hydra's flags: shown, refused (ConfigError) or taken out
+        if exit_code is not None:
+            return exit_code
         cfg = config.load(args)
         note = config.recomposed(args)
         if note:
