@@ -10,13 +10,16 @@ afterwards nothing listens on the recipe's ports (its last line stopped what it 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,14 +122,28 @@ def _simulation_lines() -> list[str]:
 
 def _stop_processes_with(env_key: str, value: str) -> None:
     """Stop every process whose environment has ``env_key=value`` (the local SuperLink that
-    `flwr run .` leaves running, in its own session, for the next run)."""
+    `flwr run .` leaves running, in its own session, for the next run), and wait until they are
+    gone (or zombies: their ports are free), so the next test finds the SuperLink's ports free."""
     wanted = f"{env_key}={value}".encode()
+    killed = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         with contextlib.suppress(OSError):
             if wanted in (proc / "environ").read_bytes().split(b"\0"):
                 os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(proc)
+    deadline = time.monotonic() + 10
+    while killed and time.monotonic() < deadline:
+        killed = [proc for proc in killed if _alive(proc)]
+        time.sleep(0.1)
+
+
+def _alive(proc: Path) -> bool:
+    try:
+        return (proc / "stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:  # gone
+        return False
 
 
 @pytest.mark.slow
@@ -153,3 +170,49 @@ def test_readme_flwr_run_simulation_runs_as_written(workspace, tmp_path):
     assert [int(r[0]) for r in rounds] == list(range(1, total + 1)), out[-4000:]
     assert all(r[2] == r[3] for r in rounds), rounds  # every sampled client's update averaged in
     assert all(r[4] == "10" for r in rounds), rounds  # the ten simulated SuperNodes evaluated, every round
+
+
+@pytest.mark.slow
+def test_readme_flwr_run_with_a_users_error_prints_one_line_and_fails_the_run(tmp_path):
+    """The README's third `flwr run .` line with an override naming no key (`federated.roundz=3`),
+    then as written in a checkout without artifacts: each run's streamed log has the one line
+    `python -m pipeline.federate` gives, no traceback, and Flower's exit code for a failed
+    simulation; `flwr ls` lists both runs finished:failed with the error in their details.
+    `flwr run` itself returns 0: Flower 1.42's CLI streams the log and never reads the run's status
+    (flwr/cli/run/run.py `_run_with_control_api`, flwr/cli/log.py `start_stream`)."""
+    from flwr.common.constant import Status, SubStatus
+    from flwr.supercore.exit import ExitCode
+
+    if not (REPO / ".venv" / "bin" / "activate").is_file():
+        pytest.skip("the README activates the checkout's .venv, which this checkout lacks (the README's commands make it)")
+    busy = [p for p in LOCAL_SUPERLINK_PORTS if port_taken(p)]
+    if busy:
+        pytest.skip(f"Flower's local SuperLink ports {busy} are in use on 127.0.0.1 (a `flwr run .` left running?)")
+    workspace = tmp_path / "checkout"  # conf/, no artifacts (no `dvc repro generate`)
+    shutil.copytree(REPO / "conf", workspace / "conf")
+    home, listing = tmp_path / "flwr_home", tmp_path / "runs.json"
+    env = flower_env(home, workspace)
+    stage = subprocess.run([sys.executable, "-m", "pipeline.federate", "federated.roundz=3"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    stage_line = stage.stderr.strip()
+    assert stage.returncode == 2 and stage_line.startswith("federate: error: ") and "\n" not in stage_line, stage.stderr
+
+    activate, _, with_overrides = _simulation_lines()[:3]
+    valid = "federated=fedprox federated.rounds=3"
+    assert f"overrides='{valid}'" in with_overrides
+    typo = with_overrides.replace(valid, "federated.roundz=3")
+    script = f"set -e\n{activate}\n{typo}\n{with_overrides}\nflwr ls --format json > {shlex.quote(str(listing))}"
+    try:
+        returncode, out = run_in_own_session(script, env)
+    finally:
+        _stop_processes_with("FLWR_HOME", str(home))
+    assert returncode == 0, out[-4000:]  # `set -e`: both `flwr run` returned 0, though both runs failed
+    assert "Traceback" not in out, out[-6000:]
+    assert out.count(stage_line) == 1, out[-6000:]
+    artifacts = f"{workspace / 'data' / 'generate'}: no training artifacts; run `dvc repro generate` in {workspace} first"
+    assert out.count(f"federate: error: {artifacts}") == 1, out[-6000:]
+    assert out.count(f"Exit Code: {ExitCode.SIMULATION_EXCEPTION}") == 2, out[-6000:]
+    runs = json.loads(listing.read_text())["runs"]
+    assert [r["status"] for r in runs] == [f"{Status.FINISHED}:{SubStatus.FAILED}"] * 2, runs
+    details = sorted(r["status-details"] for r in runs)
+    assert details[0].endswith(artifacts) and details[1].endswith(stage_line.removeprefix("federate: error: ")), details
