@@ -1,7 +1,9 @@
 """The demo page in real Chromium (Debian's, headless, driven by playwright): 20 train steps
 in the page give the losses odt's Python Module gives on the same batches, the downloaded
-model difference applies with odt_ops.export and reproduces the browser's parameters, and a
-tampered bundle is refused. Skips, saying why, without Chromium, playwright or npm ci."""
+model difference applies with odt_ops.export and reproduces the browser's parameters, a
+tampered bundle is refused, and a bad Steps, Batch or Learning rate is refused on the page,
+naming the field and what it takes, with no model run. Skips, saying why, without Chromium,
+playwright or npm ci."""
 from __future__ import annotations
 
 import functools
@@ -166,3 +168,90 @@ def test_a_drawn_digit_becomes_an_8x8_sample_as_optdigits_counts_them(page, site
     assert not image[:, :2].any()
     assert not image[:, 6:].any()
     assert not page.is_disabled("#train")
+
+
+# ---- the training fields: a bad value is refused on the page, naming the field and what it takes,
+# and nothing trains (the learning rate's rule is odt_ops.api.optimizer.checked_learning_rate's) ----
+GOOD_INPUTS = {"steps": "2", "batch": "4", "lr": "0.01"}
+EMPTY = " (the field is empty or not a number)"
+BAD_INPUTS = [
+    ("lr", "-1", "Learning rate must be a finite number >= 0, such as 0.001; got -1"),  # gradient ascent before
+    ("lr", "", f"Learning rate must be a finite number >= 0, such as 0.001; got nothing{EMPTY}"),  # Number("") is 0
+    ("batch", "0", "Batch must be a whole number >= 1; got 0"),  # onnxruntime's reshape error before
+    ("batch", "1.5", "Batch must be a whole number >= 1; got 1.5"),
+    ("batch", "", f"Batch must be a whole number >= 1; got nothing{EMPTY}"),
+    ("steps", "", f"Steps must be a whole number >= 1; got nothing{EMPTY}"),  # "Trained 0 steps" before
+    ("steps", "0", "Steps must be a whole number >= 1; got 0"),
+    ("steps", "2.5", "Steps must be a whole number >= 1; got 2.5"),  # 3 steps before
+]
+RUN_STATE = "() => [window.odt.trainer.step, window.odt.trainer.learningRate, window.odt.runs, window.odt.lastRun]"
+
+
+def _ready_with_samples(page, site):
+    """The page opened afresh with the bundled samples loaded, its training and optimizer sessions counting their runs."""
+    assert _open(page, site), page.inner_text("#error")
+    page.click("#load-bundled")
+    page.evaluate("""() => {
+      window.odt.runs = 0;
+      for (const session of [window.odt.trainer.sessions.training, window.odt.trainer.sessions.optimizer]) {
+        const run = session.run.bind(session);
+        session.run = (...args) => { window.odt.runs += 1; return run(...args); };
+      }
+    }""")
+
+
+def test_the_training_fields_attributes_state_the_rules(page, site):
+    assert _open(page, site)
+    attributes = page.evaluate("""() => Object.fromEntries(["steps", "batch", "lr"].map((id) => {
+      const e = document.getElementById(id);
+      return [id, { min: e.min, step: e.step, required: e.required }];
+    }))""")
+    assert attributes == {"steps": {"min": "1", "step": "1", "required": True}, "batch": {"min": "1", "step": "1", "required": True},
+                          "lr": {"min": "0", "step": "any", "required": True}}
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD_INPUTS, ids=[f"{f}={v or 'empty'}" for f, v, _ in BAD_INPUTS])
+def test_a_bad_training_field_is_refused_naming_it_and_nothing_trains(page, site, field, value, message):
+    _ready_with_samples(page, site)
+    step, rate = page.evaluate("() => [window.odt.trainer.step, window.odt.trainer.learningRate]")
+    for name, good in GOOD_INPUTS.items():
+        page.fill(f"#{name}", value if name == field else good)
+    page.click("#train")  # the fields are checked before the handler's first await: refused by the time the click returns
+    assert page.inner_text("#error") == f"{message}\nNothing was trained."
+    assert page.evaluate(RUN_STATE) == [step, rate, 0, None]
+    assert page.get_attribute(f"#{field}", "aria-invalid") == "true"
+    assert page.eval_on_selector(f"#{field}", "e => e.checkValidity()") is False  # the browser's own check of min/step/required agrees
+    assert "Trained" not in page.inner_text("#status")
+    assert not page.is_disabled("#train")
+
+
+def test_every_bad_field_is_named_at_once(page, site):
+    _ready_with_samples(page, site)
+    for name, value in (("steps", "0"), ("batch", "0"), ("lr", "-1")):
+        page.fill(f"#{name}", value)
+    page.click("#train")
+    assert page.inner_text("#error").split("\n") == [
+        "Steps must be a whole number >= 1; got 0", "Batch must be a whole number >= 1; got 0",
+        "Learning rate must be a finite number >= 0, such as 0.001; got -1", "Nothing was trained."]
+    assert page.evaluate("() => window.odt.runs") == 0
+
+
+def test_the_smallest_valid_fields_train_after_a_refusal_is_fixed(page, site):
+    """Steps 1, batch 1 and learning rate 0 (which odt_ops' Optimizer allows too) train one step."""
+    _ready_with_samples(page, site)
+    step = page.evaluate("() => window.odt.trainer.step")
+    page.fill("#steps", "0")
+    page.click("#train")
+    assert page.inner_text("#error").startswith("Steps must be")
+    for name, value in (("steps", "1"), ("batch", "1"), ("lr", "0")):
+        page.fill(f"#{name}", value)
+        assert page.eval_on_selector(f"#{name}", "e => e.checkValidity()") is True
+    page.click("#train")
+    page.wait_for_function("() => window.odt.lastRun !== null || document.getElementById('error').textContent", timeout=60_000)
+    assert page.inner_text("#error") == ""
+    step_after, rate, runs, run = page.evaluate(RUN_STATE)
+    assert [step_after, rate, runs] == [step + 1, 0, 2]  # one training and one optimizer run
+    assert run["batches"] == [[0]]
+    assert len(run["losses"]) == 1
+    assert page.inner_text("#status").startswith("Trained 1 steps on ")
+    assert page.get_attribute("#steps", "aria-invalid") is None

@@ -2,7 +2,7 @@
 // holdout accuracy before and after, download the model difference for odt_ops.export.apply_diff.
 // window.odt exposes the trainer and the last run, for tests and the curious.
 import * as ort from "onnxruntime-web";
-import { fetchBundle, openBundle } from "./odt-web.js";
+import { checkCount, checkLearningRate, fetchBundle, openBundle } from "./odt-web.js";
 
 const $ = (id) => document.getElementById(id);
 const SIDE = 8, BITMAP = 32; // optdigits: 32x32 bitmaps counted into 4x4 blocks -> 8x8 values in [0, 1]
@@ -83,14 +83,40 @@ async function holdoutAccuracy() {
   return `${(100 * accuracy).toFixed(1)} % of ${samples}`;
 }
 
+/** The training fields, each checked by odt-web's own rule (the learning rate as odt_ops'
+ * Optimizer.set_learning_rate checks it); the inputs' min, step and required say the same. */
+const FIELDS = [["steps", "Steps", checkCount], ["batch", "Batch", checkCount], ["lr", "Learning rate", checkLearningRate]];
+
+/** The fields' values by id, or null after showing, for each bad field, its name and what it takes.
+ * An empty field is refused, not read as 0 (Number("") is 0); so is text that is not a number,
+ * which the browser gives as "". */
+function trainingInputs() {
+  const values = {}, problems = [];
+  for (const [id, label, check] of FIELDS) {
+    const input = $(id), text = input.value.trim();
+    try {
+      values[id] = check(text === "" ? undefined : Number(text), label);
+      input.removeAttribute("aria-invalid");
+    } catch (error) {
+      input.setAttribute("aria-invalid", "true");
+      problems.push(text === "" ? `${error.message} (the field is empty or not a number)` : error.message);
+    }
+  }
+  if (!problems.length) return values;
+  $("error").textContent = `${problems.join("\n")}\nNothing was trained.`;
+  return null;
+}
+
 $("train").onclick = async () => {
   const trainer = odt.trainer;
-  $("train").disabled = true;
   $("error").textContent = "";
+  const inputs = trainingInputs(); // before anything changes: a refused field leaves the trainer as it was
+  if (!inputs) return;
+  $("train").disabled = true;
   try {
-    trainer.learningRate = Number($("lr").value);
+    trainer.learningRate = inputs.lr;
     const x = Float32Array.from(user.x.flat()), y = Int32Array.from(user.y);
-    const steps = Number($("steps").value), batchSize = Math.min(Number($("batch").value), y.length);
+    const steps = inputs.steps, batchSize = Math.min(inputs.batch, y.length);
     const order = Array.from({ length: y.length }, (_, i) => i); // in the order the samples were added
     const run = await trainer.train(x, y, { steps, batchSize, order, onProgress: ({ step, loss }) => {
       $("progress").value = step / steps;

@@ -34,6 +34,29 @@ async function sha256(bytes) {
 
 const count = (shape) => shape.reduce((a, b) => a * b, 1);
 
+/** A value as an error message shows it: strings quoted, a missing value as "nothing". */
+const shown = (value) => (value === undefined ? "nothing" : typeof value === "string" ? JSON.stringify(value) : String(value));
+
+/** `rate` if it is a learning rate odt_ops' Optimizer.set_learning_rate takes (a finite number
+ * >= 0; 0 is allowed), else a TypeError (not a number: a string, a boolean, nothing) or a
+ * RangeError (negative, NaN, infinite) that names `what`. A negative rate would climb the loss,
+ * a NaN or infinite one turn every parameter non-finite, in silence. */
+export function checkLearningRate(rate, what = "learningRate") {
+  const message = `${what} must be a finite number >= 0, such as 0.001; got ${shown(rate)}`;
+  if (typeof rate !== "number") throw new TypeError(message);
+  if (!Number.isFinite(rate) || rate < 0) throw new RangeError(message);
+  return rate;
+}
+
+/** `value` if it is a whole number >= 1 (a step count, a batch size), else a TypeError or
+ * RangeError that names `what`. */
+export function checkCount(value, what) {
+  const message = `${what} must be a whole number >= 1; got ${shown(value)}`;
+  if (typeof value !== "number") throw new TypeError(message);
+  if (!Number.isInteger(value) || value < 1) throw new RangeError(message);
+  return value;
+}
+
 /** A typed array copied out of the binary (the binary's bytes are little-endian, as this machine's). */
 function readTensor(binary, entry, what) {
   const Typed = ARRAYS[entry.dtype];
@@ -130,11 +153,17 @@ function checkRoles(manifest, sessions) {
 
 /** Train and eval steps over one opened bundle, and the model difference they made. */
 export class Trainer {
+  #learningRate;
+
   constructor(manifest, binary, sessions) {
     this.manifest = manifest;
     this.sessions = sessions;
     this.roles = manifest.training;
-    this.learningRate = manifest.optimizer.learning_rate;
+    try {
+      this.learningRate = manifest.optimizer.learning_rate;
+    } catch (error) {
+      throw new BundleError(`the manifest's ${error.message}; the bundle is damaged`);
+    }
     this.step = manifest.optimizer.step;
     const tensor = (entry) => new ort.Tensor(entry.dtype, readTensor(binary, entry, `tensor ${entry.name}`), entry.shape);
     this.base = new Map(); // the trainable parameters as bundled: what modelDiff subtracts
@@ -165,8 +194,20 @@ export class Trainer {
       [name, { x: readTensor(binary, s.x, `${name}.x`), xShape: s.x.shape, y: readTensor(binary, s.y, `${name}.y`) }]));
   }
 
+  /** The learning rate the next optimizerStep uses. Setting it checks it as odt_ops'
+   * Optimizer.set_learning_rate does: anything but a finite number >= 0 throws and leaves it as it was. */
+  get learningRate() {
+    return this.#learningRate;
+  }
+
+  set learningRate(rate) {
+    this.#learningRate = checkLearningRate(rate, "learningRate");
+  }
+
   /** The feeds of one batch: x [n, ...] float32 values, y class ids, encoded as the label input takes them. */
   batchFeeds(x, y, n) {
+    checkCount(n, "the batch size n");
+    if (y.length !== n) throw new RangeError(`the batch has ${y.length} labels for a batch size n of ${n}`);
     const [input] = this.roles.user_inputs, [label] = this.roles.labels;
     const specs = this.roles.inputs;
     const inShape = [n, ...specs[input].shape.slice(1)];
@@ -266,6 +307,8 @@ export class Trainer {
    * (default: a seeded shuffle, epoch after epoch). Reports progress; returns the losses,
    * each batch's sample indices and the milliseconds per step. */
   async train(x, y, { steps, batchSize = 16, seed = 0, order, onProgress } = {}) {
+    checkCount(steps, "steps");
+    checkCount(batchSize, "batchSize");
     const n = y.length, per = x.length / n;
     const indices = order ?? shuffled(n, seed);
     if (!indices.length || indices.some((i) => !Number.isInteger(i) || i < 0 || i >= n)) {
@@ -285,7 +328,7 @@ export class Trainer {
       batches.push(batch);
       onProgress?.({ step: s + 1, steps, loss });
     }
-    return { losses, batches, msPerStep: (performance.now() - started) / Math.max(steps, 1) };
+    return { losses, batches, msPerStep: (performance.now() - started) / steps };
   }
 
   /** The trainable parameters' current values, by name. */

@@ -12,7 +12,7 @@ import { join, resolve } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 
-import { BundleError, crc32, npy, openBundle, shuffled, verifyBundle, zipStored } from "../src/odt-web.js";
+import { BundleError, checkCount, checkLearningRate, crc32, npy, openBundle, shuffled, verifyBundle, zipStored } from "../src/odt-web.js";
 
 const REPO = resolve(fileURLToPath(import.meta.url), "../../..");
 
@@ -125,4 +125,89 @@ test("train refuses an order naming samples that do not exist", async () => {
   const { x, y } = trainer.samples.train;
   await assert.rejects(trainer.train(x, y, { steps: 1, batchSize: 2, order: [0, y.length] }), RangeError);
   assert.equal(trainer.step, manifest.optimizer.step);
+});
+
+// ---- argument checks: what odt_ops' Optimizer.set_learning_rate refuses, and batch sizes and
+// step counts that are not whole numbers >= 1, are refused before any model runs ----------------
+
+/** A trainer whose training and optimizer sessions count their runs. */
+async function countingTrainer() {
+  const { manifest, binary } = load();
+  const trainer = await openBundle(manifest, binary);
+  const runs = { training: 0, optimizer: 0 };
+  for (const role of Object.keys(runs)) {
+    const session = trainer.sessions[role], run = session.run.bind(session);
+    session.run = (...args) => { runs[role] += 1; return run(...args); };
+  }
+  return { manifest, trainer, runs };
+}
+
+const BAD_RATES = [[-1, RangeError], [-1e-9, RangeError], [NaN, RangeError], [Infinity, RangeError], [-Infinity, RangeError],
+  ["0.01", TypeError], ["", TypeError], [true, TypeError], [null, TypeError], [undefined, TypeError], [10n, TypeError]];
+
+test("checkLearningRate takes a finite number >= 0, 0 included, as set_learning_rate does, and names what it checks", () => {
+  for (const rate of [0, 1e-3, 0.5, 10]) assert.equal(checkLearningRate(rate), rate);
+  for (const [rate, Error] of BAD_RATES) {
+    assert.throws(() => checkLearningRate(rate, "Learning rate"), (e) => e instanceof Error
+      && /^Learning rate must be a finite number >= 0, such as 0\.001; got /.test(e.message), String(rate));
+  }
+  assert.throws(() => checkLearningRate(-1), { message: "learningRate must be a finite number >= 0, such as 0.001; got -1" });
+  assert.throws(() => checkLearningRate(undefined), { message: /got nothing$/ });
+  assert.throws(() => checkLearningRate("0.01"), { message: /got "0\.01"$/ });
+});
+
+test("checkCount takes whole numbers >= 1 only", () => {
+  for (const n of [1, 2, 16, 1e3]) assert.equal(checkCount(n, "steps"), n);
+  for (const [n, Error] of [[0, RangeError], [-1, RangeError], [2.5, RangeError], [NaN, RangeError], [Infinity, RangeError],
+    ["3", TypeError], [undefined, TypeError], [null, TypeError], [true, TypeError]]) {
+    assert.throws(() => checkCount(n, "steps"), (e) => e instanceof Error && /^steps must be a whole number >= 1; got /.test(e.message), String(n));
+  }
+});
+
+test("a refused learning rate throws and leaves the trainer's rate as it was, running no model", async () => {
+  const { trainer, runs } = await countingTrainer();
+  trainer.learningRate = 0.02;
+  for (const [rate, Error] of BAD_RATES) {
+    assert.throws(() => { trainer.learningRate = rate; }, Error, String(rate));
+    assert.equal(trainer.learningRate, 0.02);
+  }
+  trainer.learningRate = 0; // allowed, as odt_ops' Optimizer allows it
+  assert.equal(trainer.learningRate, 0);
+  assert.deepEqual(runs, { training: 0, optimizer: 0 });
+});
+
+test("a bundle whose manifest holds a bad learning rate is refused as damaged", async () => {
+  const { manifest, binary } = load();
+  manifest.optimizer.learning_rate = -0.5;
+  await assert.rejects(openBundle(manifest, binary), (e) => e instanceof BundleError
+    && /learningRate must be a finite number >= 0.*got -0\.5; the bundle is damaged/.test(e.message));
+});
+
+test("train refuses steps and batch sizes that are not whole numbers >= 1, before any step runs", async () => {
+  const { manifest, trainer, runs } = await countingTrainer();
+  const { x, y } = trainer.samples.train;
+  const before = Object.fromEntries(Object.entries(trainer.parameters()).map(([k, v]) => [k, Float32Array.from(v)]));
+  const cases = [[{ steps: 0 }, /^steps must be a whole number >= 1; got 0$/], [{ steps: 2.5 }, /got 2\.5$/], [{ steps: -3 }, /got -3$/],
+    [{}, /^steps .* got nothing$/], [{ steps: "5" }, /got "5"$/],
+    [{ steps: 1, batchSize: 0 }, /^batchSize must be a whole number >= 1; got 0$/], [{ steps: 1, batchSize: 1.5 }, /got 1\.5$/]];
+  for (const [options, message] of cases) {
+    await assert.rejects(trainer.train(x, y, options), (e) => (e instanceof RangeError || e instanceof TypeError) && message.test(e.message),
+      JSON.stringify(options));
+  }
+  assert.deepEqual(runs, { training: 0, optimizer: 0 });
+  assert.equal(trainer.step, manifest.optimizer.step);
+  assert.deepEqual(trainer.parameters(), before);
+  const { losses } = await trainer.train(x, y, { steps: 1, batchSize: 1 }); // the smallest valid run still trains
+  assert.equal(losses.length, 1);
+  assert.deepEqual(runs, { training: 1, optimizer: 1 });
+});
+
+test("trainStep refuses an empty batch or one whose labels do not match n, naming the batch size, not onnxruntime's reshape", async () => {
+  const { trainer, runs } = await countingTrainer();
+  const { x, y } = trainer.samples.train;
+  const per = x.length / y.length;
+  await assert.rejects(trainer.trainStep(new Float32Array(0), [], 0), { name: "RangeError", message: "the batch size n must be a whole number >= 1; got 0" });
+  await assert.rejects(trainer.trainStep(x.slice(0, 2 * per), [1, 2, 3], 2), { name: "RangeError", message: "the batch has 3 labels for a batch size n of 2" });
+  assert.deepEqual(runs, { training: 0, optimizer: 0 });
+  assert.equal(trainer.grads.size, 0);
 });
