@@ -28,8 +28,9 @@ from odt_ops.ir.load import ModelSource, load_model, read_model, save_model
 from odt_ops.ir.lowering import lower_opset
 from odt_ops.ir.model import TARGET_OPSET, Model
 from odt_ops.lora import LoraConfig, with_adapters
-from odt_ops.onnxblock import Block, base, optim
+from odt_ops.onnxblock import Block, optim
 from odt_ops.onnxblock import loss as losses
+from odt_ops.onnxblock.base import building_into
 from odt_ops.onnxblock.blocks import PassThrough
 from odt_ops.onnxblock.optim import build_optimizer_model
 from odt_ops.quant.training import for_training
@@ -196,7 +197,7 @@ def _apply_loss(forward: Model, loss_block: Block, loss_input_names, extra: list
     if absent:
         raise ArtifactError(f"{absent} are not values of the model; its outputs are {outputs}")
     loss_inputs = list(loss_input_names) if loss_input_names else (outputs if loss_block.takes_all_outputs else outputs[:1])
-    with base(proto):
+    with building_into(proto):  # proto is this function's copy of the forward model
         loss_name = loss_block(*loss_inputs)
     if not isinstance(loss_name, str):
         raise ArtifactError("the loss block must return the name of one scalar value")

@@ -30,7 +30,22 @@ class ModelAccessor:
 
 @contextlib.contextmanager
 def base(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
-    """Blocks called inside this context add their nodes to ``model`` (in place)."""
+    """Blocks called inside this context add their nodes to a copy of ``model``, which
+    ``accessor.model`` holds; the caller's model stays as it was (ONNX Runtime's ``base``
+    deep-copies it too, onnxblock/model_accessor.py), so it can be built on again."""
+    if not isinstance(model, onnx.ModelProto):
+        raise ArtifactError(f"onnxblock.base takes an onnx.ModelProto, got {type(model).__name__}; "
+                            "use onnxblock.empty_base() to build a model from scratch")
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    with building_into(copy) as accessor:
+        yield accessor
+
+
+@contextlib.contextmanager
+def building_into(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
+    """``base`` without the copy: blocks add their nodes to ``model`` itself (the engine's own
+    builders, whose model is already theirs: a copy of a large model costs its size again)."""
     builder = builder_for(model, prefix="loss")
     accessor = ModelAccessor(model)
     token = _CURRENT.set((model, builder, accessor))
@@ -70,7 +85,7 @@ def empty_base(opset_version: int = TARGET_OPSET) -> Iterator[ModelAccessor]:
         opset_imports=[onnx.helper.make_opsetid("", opset_version)],
         ir_version=TARGET_IR_VERSION,
     )
-    with base(model) as accessor:
+    with building_into(model) as accessor:
         yield accessor
 
 
@@ -91,9 +106,11 @@ def _state():
 
 @contextlib.contextmanager
 def onnx_model(model: onnx.ModelProto | None = None) -> Iterator[ModelAccessor]:
-    """ONNX Runtime 1.14's name: ``base(model)``, or ``empty_base()`` without a model; after a
-    TrainingModel is built inside, ``accessor.eval_model`` is its eval model."""
-    with (base(model) if model is not None else empty_base()) as accessor:
+    """ONNX Runtime 1.14's entry point: blocks build into ``model`` itself (1.14 did not copy it,
+    and its published examples save ``model`` afterwards; ``base`` copies, as later releases do),
+    or into an empty model without one; after a TrainingModel is built inside,
+    ``accessor.eval_model`` is its eval model."""
+    with (building_into(model) if model is not None else empty_base()) as accessor:
         yield accessor
 
 

@@ -154,9 +154,13 @@ def test_a_forward_block_is_the_model_with_its_output(net_and_data):
 
     block = _loss_on_top(onnxblock.ForwardBlock, onnxblock.loss.MSELoss)()
     base = _export(net, x)
+    before = base.SerializeToString()
     with onnxblock.base(base) as accessor:
-        assert accessor.model is base
+        # ONNX Runtime's base builds into a deep copy of the model (onnxblock/model_accessor.py)
+        assert accessor.model is not base and accessor.model == base
         out = block(base.graph.output[0].name)
+    assert base.SerializeToString() == before  # the caller's model as it was, so it can be built on again
+    assert out in {o.name for o in accessor.model.graph.output} | {n for node in accessor.model.graph.node for n in node.output}
     model = block.to_model_proto()
     assert [o.name for o in model.graph.output] == [out]
     target = torch.randn(6, 3)
