@@ -39,21 +39,24 @@ def check(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Normalize a real network shipped with onnx and run it, side by side with onnxruntime."""
-    import onnx
-
+    """Normalize a real network shipped with onnx, give it seeded weights (its own are one
+    constant, whose uniform outputs any engine would match) and run it, side by side with onnxruntime."""
+    from odt_ops.ir.load import load_model
+    from odt_ops.ir.model import Model
     from odt_ops.runtime.session import InferenceSession
+    from odt_ops.zoo import randomize_weights, zoo_path
 
-    path = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / f"light_{args.model}.onnx"
+    path = zoo_path(args.model)
     t0 = time.perf_counter()
-    sess = InferenceSession(path)
+    sess = InferenceSession(Model(randomize_weights(load_model(path).proto), normalized=True))
     load_s = time.perf_counter() - t0
     spec = sess.inputs[0]
     x = np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 1 for d in spec.shape]).astype(np.float32)
     t0 = time.perf_counter()
     (y,) = sess.run(None, {spec.name: x})
     run_s = time.perf_counter() - t0
-    print(f"{path.name}: loaded and normalized in {load_s:.2f} s ({len(sess.model.graph.node)} nodes, opset {sess.model.opset})")
+    print(f"{path.name}: loaded and normalized in {load_s:.2f} s ({len(sess.model.graph.node)} nodes, opset {sess.model.opset}; "
+          "seeded He-normal weights: the shipped ones are one constant)")
     print(f"odt_ops forward: {run_s * 1000:.1f} ms, output {y.shape}")
     try:
         import onnxruntime as ort
@@ -74,8 +77,9 @@ def import_ort(args: argparse.Namespace) -> int:
     ort = read_ort_artifacts(args.ort_dir, args.checkpoint, args.prefix)
     ckpt = ort.checkpoint
     opt = ckpt.optimizer
+    optimizer = ort.optimizer.kind if ort.optimizer else f"none (no {args.prefix}optimizer_model.onnx: an Optimizer needs one)"
     print(f"{args.ort_dir}: loss {ort.loss_kind} on {ort.loss_inputs}, optimizer "
-          f"{ort.optimizer.kind if ort.optimizer else 'none'}, {len(ort.trainable)} trainable and {len(ort.frozen)} frozen "
+          f"{optimizer}, {len(ort.trainable)} trainable and {len(ort.frozen)} frozen "
           f"parameters{' (nominal)' if ckpt.nominal else ''}"
           + (f", optimizer step {opt.step} at learning rate {opt.learning_rate:g}" if opt else ""))
     paths = write_artifacts(ort, args.out_dir, args.prefix)
@@ -105,6 +109,8 @@ def _sample_set(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from odt_ops.zoo import zoo_models
+
     parser = argparse.ArgumentParser(prog=program_name(),
                                      description="ODT: on-device training from ONNX models (`odt` is `python -m odt_ops`).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requires-grad", nargs="*", metavar="NAME_OR_GLOB", help="trainable parameters (default: every float initializer)")
     p.set_defaults(func=check)
     p = sub.add_parser("demo", help="run a zoo network shipped with onnx and compare with onnxruntime")
-    p.add_argument("--model", default="squeezenet", help="one of the onnx wheel's light zoo models (default: squeezenet)")
+    p.add_argument("--model", default="squeezenet", choices=zoo_models(), help="one of the onnx wheel's zoo models (default: squeezenet)")
     p.set_defaults(func=demo)
     p = sub.add_parser("import-ort", help="turn an onnxruntime-training artifact directory and checkpoint into odt_ops artifacts")
     p.add_argument("ort_dir", help="directory with onnxruntime's eval_model.onnx, optimizer_model.onnx and checkpoint")
@@ -134,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except OdtError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the system refuses (an output folder that is a file, no permission, a full disk)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}; choose a path you can read or write", file=sys.stderr)
         return 2
 
 

@@ -43,3 +43,44 @@ def _compare(proto: onnx.ModelProto, weights: str) -> None:
         assert float(np.max(np.abs(g - w))) <= 1e-4 * scale, f"max error {np.max(np.abs(g - w))} vs scale {scale}"
         if weights == "random":
             assert float(np.std(w)) > 0, "randomized weights must give non-uniform outputs"
+
+
+def test_the_demo_compares_a_network_that_can_disagree(capsys, monkeypatch):
+    """`odt demo` runs the zoo network with seeded weights: its output varies (the shipped weights'
+    uniform output would let any engine agree), onnxruntime agrees with it, and a wrong output
+    from our engine is caught."""
+    from odt_ops.__main__ import main
+    from odt_ops.runtime.session import InferenceSession
+
+    outputs = []
+    run = InferenceSession.run
+
+    def recorded(self, names, feeds):
+        result = run(self, names, feeds)
+        outputs.append(result[0])
+        return result
+
+    monkeypatch.setattr(InferenceSession, "run", recorded)
+    assert main(["demo"]) == 0
+    assert "onnxruntime agrees" in capsys.readouterr().out
+    (y,) = outputs
+    assert np.std(y) > 0.01 * np.max(np.abs(y)), y.ravel()[:8]
+
+    def off(self, names, feeds):
+        (y,) = run(self, names, feeds)
+        y = y.copy()
+        y.flat[int(np.argmax(y))] *= 1.01  # one class score 1% off
+        return [y]
+
+    monkeypatch.setattr(InferenceSession, "run", off)
+    assert main(["demo"]) == 1
+
+
+def test_the_demo_names_the_models_it_has(capsys):
+    from odt_ops.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--model", "nosuch"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'nosuch'" in err and all(name in err for name in ZOO_MODELS), err

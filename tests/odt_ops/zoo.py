@@ -1,57 +1,6 @@
-"""The nine model-zoo networks the onnx wheel ships (opset 9, weights made by ConstantOfShape),
-and a seeded re-initialization that makes comparisons on them meaningful."""
-from __future__ import annotations
+"""The onnx wheel's zoo networks for the tests: odt_ops/zoo.py, which ``odt demo`` runs too."""
+from odt_ops.zoo import randomize_weights, zoo_models, zoo_path
 
-from pathlib import Path
+ZOO_MODELS = zoo_models()
 
-import numpy as np
-import onnx
-from onnx import numpy_helper
-
-ZOO_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
-ZOO_MODELS = sorted(p.stem.removeprefix("light_") for p in ZOO_DIR.glob("light_*.onnx"))
-
-
-def zoo_path(name: str) -> Path:
-    return ZOO_DIR / f"light_{name}.onnx"
-
-
-def randomize_weights(proto: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
-    """Seeded weights of a sensible scale: He-normal Conv/Gemm weights, positive
-    BatchNormalization scales and variances, small biases and shifts.
-
-    The shipped weights are all one constant, which makes every output uniform and a
-    comparison on them nearly unfalsifiable; these weights make it able to fail.
-    """
-    rng = np.random.default_rng(seed)
-    roles: dict[str, str] = {}
-    for node in proto.graph.node:
-        if node.op_type in ("Conv", "Gemm", "MatMul", "ConvTranspose") and len(node.input) > 1:
-            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
-            roles[node.input[1]] = "conv_weight" if node.op_type.startswith("Conv") else ("gemm_weight_t" if trans_b else "gemm_weight")
-            if len(node.input) > 2:
-                roles[node.input[2]] = "shift"
-        if node.op_type == "BatchNormalization":
-            roles[node.input[1]] = "positive"
-            roles[node.input[2]] = "shift"
-            roles[node.input[3]] = "shift"
-            roles[node.input[4]] = "positive"
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
-    for tensor in out.graph.initializer:
-        array = numpy_helper.to_array(tensor)
-        if array.dtype.kind != "f" or array.size == 1:  # scalars (Dropout ratios, ...) are not weights
-            continue
-        role = roles.get(tensor.name, "positive")
-        if role == "conv_weight":
-            fan_in = int(np.prod(array.shape[1:]))
-            new = rng.standard_normal(array.shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
-        elif role in ("gemm_weight", "gemm_weight_t"):
-            fan_in = array.shape[-1] if role == "gemm_weight_t" else array.shape[-2]
-            new = rng.standard_normal(array.shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
-        elif role == "shift":
-            new = rng.standard_normal(array.shape, dtype=np.float32) * np.float32(0.1)
-        else:
-            new = rng.uniform(0.5, 1.5, array.shape).astype(np.float32)
-        tensor.CopyFrom(numpy_helper.from_array(new.astype(array.dtype), tensor.name))
-    return out
+__all__ = ["ZOO_MODELS", "randomize_weights", "zoo_path"]
