@@ -128,8 +128,8 @@ def _load(path: Path) -> onnx.ModelProto:
     """The model with its external data moved in, read by our reader (external data only from
     regular files inside the artifact folder; see odt_ops.ir.external), not onnx.load."""
     if not path.is_file():
-        raise ArtifactError(f"{path}: no such file; an ONNX Runtime artifact directory has eval_model.onnx, "
-                            "optimizer_model.onnx and checkpoint")
+        raise ArtifactError(f"{path}: no such file; an ONNX Runtime artifact directory has eval_model.onnx and checkpoint "
+                            "(and optimizer_model.onnx when generate_artifacts was given an optimizer)")
     model = read_model(path)
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:

@@ -343,6 +343,22 @@ def test_import_refuses_what_it_cannot_carry_over(tmp_path):
     assert main(["import-ort", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
 
 
+def test_cli_without_an_optimizer_model_says_so_and_a_refused_output_path_is_one_line(tmp_path, capsys):
+    """ONNX Runtime's generate_artifacts writes no optimizer model when given no optimizer: the
+    import then says there is none, and what needs one; an output path the system refuses (a file
+    is there) is one line naming it."""
+    ort_dir = tmp_path / "ort"
+    shutil.copytree(FIXTURES / "mlp", ort_dir)
+    (ort_dir / "optimizer_model.onnx").unlink()
+    assert main(["import-ort", str(ort_dir), str(tmp_path / "out")]) == 0
+    assert "optimizer none (no optimizer_model.onnx: an Optimizer needs one)" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "optimizer_model.onnx").exists()
+    (tmp_path / "a_file").write_text("mine")
+    assert main(["import-ort", str(FIXTURES / "mlp"), str(tmp_path / "a_file")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {tmp_path / 'a_file'}: File exists; choose a path you can read or write"]
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
 def test_engine_reads_onnxruntime_checkpoints_without_the_flatbuffers_package():
     code = ("import sys; sys.modules['flatbuffers'] = None; sys.modules['onnxruntime'] = None\n"
             "from odt_ops.checkpoint.ort import read_ort_checkpoint\n"

@@ -84,3 +84,8 @@ def test_cli_writes_the_bundle_and_reports_a_missing_artifact(bundle_root, tmp_p
     assert (tmp_path / "out" / BINARY).is_file()
     assert main(["export-web", str(tmp_path), str(tmp_path / "out2"), "--no-page"]) == 2
     assert "training_model.onnx" in capsys.readouterr().err
+    # an output folder the system refuses (a file is there): one line naming it, not a traceback
+    (tmp_path / "a_file").write_text("mine")
+    assert main(["export-web", str(bundle_root / "artifacts"), str(tmp_path / "a_file"), "--no-page"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {tmp_path / 'a_file'}: File exists; choose a path you can read or write"]
+    assert (tmp_path / "a_file").read_text() == "mine"
