@@ -23,9 +23,16 @@ def test_ci_runs_the_readme_test_command():
     assert quickstart()[1] not in ci_lines[:-1]
 
 
+def python_block(after: str) -> str:
+    """The README's first Python block after the line ``after``."""
+    return (ROOT / "README.md").read_text().split(after, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+TWENTY_LINES = "## On-device training in twenty lines"
+
+
 def test_readme_training_example_runs(tmp_path, monkeypatch, capsys):
-    text = (ROOT / "README.md").read_text()
-    example = text.split("## On-device training in twenty lines", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    example = python_block(TWENTY_LINES)
     monkeypatch.chdir(tmp_path)
     exec(compile(example, "README example", "exec"), {})
     out = capsys.readouterr().out
@@ -35,3 +42,21 @@ def test_readme_training_example_runs(tmp_path, monkeypatch, capsys):
     accuracy = float(out.split("accuracy:")[1].split()[0])
     assert accuracy > 0.8
     assert (tmp_path / "artifacts" / "update.odtdiff").is_file()
+
+
+def test_readme_lora_example_runs_after_the_twenty_lines(tmp_path, monkeypatch, capsys):
+    """The LoRA block as written, after the twenty lines whose model, x and y it takes: onnxruntime
+    running the base model with the user's adapter gives the merged model's logits (onnxruntime
+    itself is the oracle for both), and training moved the adapter off its zero start."""
+    import numpy as np
+    import onnxruntime
+
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(python_block(TWENTY_LINES), "README example", "exec"), namespace)
+    exec(compile(python_block("**LoRA.**"), "README LoRA example", "exec"), namespace)
+    x, logits = namespace["x"], namespace["logits"]
+    merged = onnxruntime.InferenceSession("merged.onnx").run(None, {"x": x})[0]
+    np.testing.assert_allclose(logits, merged, rtol=1e-5, atol=1e-6)
+    plain = onnxruntime.InferenceSession("base.onnx").run(None, {"x": x})[0]  # no adapter: B is zero
+    assert not np.allclose(plain, merged, atol=1e-4)
