@@ -41,6 +41,8 @@ def read_model(source: ModelSource, *, base_dir: str | os.PathLike | None = None
         return _vetted(Model(_parse(bytes(source), "<bytes>"), base_dir=folder))
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
+        if path.is_dir():
+            raise ModelLoadError(f"{path}: a folder, not a model file; name the .onnx file in it")
         if not path.is_file():
             raise ModelFileNotFoundError(f"{path}: no such model file")
         try:

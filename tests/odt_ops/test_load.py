@@ -130,6 +130,9 @@ def test_truncated_and_garbage_files_name_the_file(tmp_path):
         odt_ops.load_model(bad)
     with pytest.raises(ModelLoadError, match="no such model file"):
         odt_ops.load_model(tmp_path / "absent.onnx")
+    (tmp_path / "folder.onnx").mkdir()
+    with pytest.raises(ModelLoadError, match="folder.onnx: a folder, not a model file"):
+        odt_ops.load_model(tmp_path / "folder.onnx")
     with pytest.raises(ModelLoadError):
         odt_ops.load_model(b"\x00not onnx at all\xff" * 10)
 
