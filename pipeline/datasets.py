@@ -197,10 +197,13 @@ def _load_csv(path: Path, data_cfg) -> tuple[np.ndarray, np.ndarray]:
             "add a header with a label column, or set data.label_column"
         )
     li = header.index(label_column)
-    values = np.empty((len(rows) - 1, len(header)), dtype=np.float64)
+    # every row's width before the array: a header of 200,000 columns over 200,000 one-field rows
+    # (a 2 MB file) would otherwise ask numpy for 298 GiB
     for r, row in enumerate(rows[1:], start=2):
         if len(row) != len(header):
             raise DataError(f"{path}: line {r} has {len(row)} fields, the header has {len(header)}")
+    values = np.empty((len(rows) - 1, len(header)), dtype=np.float64)
+    for r, row in enumerate(rows[1:], start=2):
         for c, cell in enumerate(row):
             try:
                 values[r - 2, c] = float(cell)

@@ -85,6 +85,9 @@ def load_npz(path: str | os.PathLike, keys: tuple[str, ...] = ("x", "y"), *, wha
         raise DataError(f"{path}: not a readable .npz {what} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); rewrite it with np.savez") from None
 
 
+MAX_NPY_HEADER = 10_000  # numpy's own limit for headers it parses without allow_pickle (np.load's max_header_size)
+
+
 def _check_declared_sizes(path: Path, keys: tuple[str, ...], what: str) -> None:
     """Each array's header against the bytes its member holds, before numpy allocates what
     the header declares (a forged header asking for 10**12 floats is a DataError, not a
@@ -95,6 +98,14 @@ def _check_declared_sizes(path: Path, keys: tuple[str, ...], what: str) -> None:
             if f"{key}.npy" not in names:
                 continue  # np.load reports the missing array
             info = zf.getinfo(f"{key}.npy")
+            with zf.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                # numpy reads the whole header its length field declares before its own size limit
+                # applies: a deflated member can declare gigabytes of header in a few kilobytes
+                length = int.from_bytes(member.read(2 if version == (1, 0) else 4), "little")
+                if length > MAX_NPY_HEADER:
+                    raise DataError(f"{path}: {what} array {key!r} declares a {length:,}-byte header (an .npy header is at most "
+                                    f"{MAX_NPY_HEADER:,}); the file is damaged or forged, rewrite it with np.savez")
             with zf.open(info) as member:
                 version = np.lib.format.read_magic(member)
                 read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0

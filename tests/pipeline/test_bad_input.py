@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import struct
+import tracemalloc
 import zipfile
 import zlib
 
@@ -88,6 +89,18 @@ def forged_npz(path, n=10**12):
             np.lib.format.write_array(f, np.zeros(1, np.int64))
 
 
+def header_bomb_npz(path, header_bytes=64 * 2**20):
+    """An .npz whose deflated x.npy declares a ``header_bytes`` header (format 2.0: a 4-byte length):
+    a few kilobytes on disk that numpy would read whole before its own header limit applies."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        with zf.open("x.npy", "w") as f:
+            f.write(b"\x93NUMPY\x02\x00" + struct.pack("<I", header_bytes))
+            for _ in range(header_bytes // 2**20):
+                f.write(b" " * 2**20)
+        with zf.open("y.npy", "w") as f:
+            np.lib.format.write_array(f, np.zeros(1, np.int64))
+
+
 def png_header_only(path, width, height):
     """A PNG that declares ``width`` x ``height`` pixels (Pillow reads the size from IHDR)."""
     def chunk(kind, body):
@@ -109,6 +122,20 @@ def test_user_data_that_would_exhaust_memory_is_one_line(project, capsys):
     line = one_line(capsys)
     assert "forged.npz" in line, line
     assert "declares shape [1000000000000]" in line, line
+    header_bomb_npz(user / "header.npz")
+    assert (user / "header.npz").stat().st_size < 2**20
+    tracemalloc.start()
+    assert prepare.main(["tracking=disabled", *TINY, "data.user_data=data/user/header.npz"]) == 1
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    line = one_line(capsys)
+    assert "header.npz" in line and "declares a 67,108,864-byte header" in line, line
+    assert peak < 16 * 2**20, peak  # the declared header was never read
+    # a CSV whose header has 200,000 columns over one-field rows: refused at its first row, before any array
+    (user / "wide.csv").write_text("label," + ",".join(f"p{i}" for i in range(199_999)) + "\n" + "1\n" * 200_000)
+    assert prepare.main(["tracking=disabled", *TINY, "data.user_data=data/user/wide.csv"]) == 1
+    line = one_line(capsys)
+    assert "wide.csv: line 2 has 1 fields, the header has 200000" in line, line
     assert prepare.main(["tracking=disabled", *TINY, "data.user_data=data/user/big"]) == 1
     line = one_line(capsys)
     assert "bomb.png" in line, line
