@@ -7,6 +7,8 @@ the number of training examples and steps behind it, so a server can weight it.
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,13 @@ from odt_ops.tensorfile import read_tensor_file, write_tensor_file
 
 DIFF_FORMAT = "odt-model-diff"
 DIFF_VERSION = 1
+# The largest example (or step) count a model difference may carry: 2**53, the last integer
+# from which every smaller one is exact in float64, where ``aggregate`` (and Flower's FedAvg)
+# turn counts into weights. A count above it is no honest device's (9.0e15 examples) and is
+# refused, so a forged one can neither raise inside the weighting (10**400 does not convert to
+# a float) nor push the weights' sum to infinity (two counts of 10**308), which zeroes every
+# weight and makes the average all zeros in silence.
+MAX_COUNT = 2**53
 
 
 # ---- inference export ----------------------------------------------------------------------
@@ -108,12 +117,31 @@ def model_diff(base, trained, *, num_examples: int = 0, num_steps: int = 0, meta
                  for n in names if n in b.parameters and (b.parameters[n].shape != t.parameters[n].shape or b.parameters[n].dtype != t.parameters[n].dtype)]
     if problems:
         raise ModelDiffError("the trained checkpoint does not come from this base:\n  " + "\n  ".join(problems))
+    examples = check_count(num_examples, "num_examples", "model_diff")
+    steps = check_count(num_steps, "num_steps", "model_diff")
     deltas = {n: np.asarray(t.parameters[n]) - np.asarray(b.parameters[n]) for n in names}
-    return ModelDiff(deltas, _fingerprint(b.parameters, names), int(num_examples), int(num_steps), dict(metadata or {}))
+    return ModelDiff(deltas, _fingerprint(b.parameters, names), examples, steps, dict(metadata or {}))
+
+
+def check_count(value, key: str, where: str) -> int:
+    """``value`` as an int if it is a whole number in [0, MAX_COUNT] (an example or step count
+    of a model difference), else a ModelDiffError naming ``where`` and ``key``."""
+    # numbers.Integral takes Python and numpy ints; bool is an int but never a count, a float never exact
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ModelDiffError(f"{where}: {key} is {value!r} ({type(value).__name__}); expected a whole number of "
+                             f"{'examples' if 'example' in key else 'steps'} from 0 to 2**53")
+    count = int(value)
+    if not 0 <= count <= MAX_COUNT:
+        shown = str(count) if abs(count) < 10**30 else f"{'-' if count < 0 else ''}about 10**{int(count.bit_length() * math.log10(2))}"
+        raise ModelDiffError(f"{where}: {key} is {shown}, outside [0, 2**53]: refused; a count is a whole number from 0 "
+                             "to 2**53 (exact in float64, where differences are weighted), and one outside is forged or damaged")
+    return count
 
 
 def save_diff(diff: ModelDiff, path: str | os.PathLike) -> None:
     _check_finite(diff.deltas, str(path))
+    check_count(diff.num_examples, "num_examples", f"{path}: the model difference")  # load_diff would refuse the file
+    check_count(diff.num_steps, "num_steps", f"{path}: the model difference")
     header = {"base_hash": diff.base_hash, "num_examples": diff.num_examples, "num_steps": diff.num_steps, "metadata": diff.metadata}
     write_tensor_file(path, DIFF_FORMAT, DIFF_VERSION, header, [({"name": n}, d) for n, d in diff.deltas.items()], ModelDiffError)
 
@@ -122,13 +150,19 @@ def load_diff(path: str | os.PathLike) -> ModelDiff:
     manifest, tensors = read_tensor_file(path, DIFF_FORMAT, DIFF_VERSION, ModelDiffError, "model difference")
     deltas = {entry["name"]: np.asarray(array) for entry, array in tensors}
     _check_finite(deltas, str(path))
-    fields = {"base_hash": str, "num_examples": int, "num_steps": int, "metadata": dict}
-    wrong = [k for k, kind in fields.items() if k in manifest and not isinstance(manifest[k], kind) or isinstance(manifest.get(k), bool)
-             or kind is int and isinstance(manifest.get(k), int) and manifest[k] < 0]  # counts: a negative one breaks weighting
+    base_hash, num_examples, num_steps, metadata = diff_header(manifest, path)
+    return ModelDiff(deltas, base_hash, num_examples, num_steps, metadata)
+
+
+def diff_header(manifest: Mapping, path: str | os.PathLike) -> tuple[str, int, int, dict]:
+    """(base_hash, num_examples, num_steps, metadata) of a model difference's manifest, each
+    checked: a ModelDiffError naming the file and the key for one of the wrong kind, or a count
+    that is not a whole number in [0, 2**53] (see MAX_COUNT)."""
+    wrong = [k for k, kind in (("base_hash", str), ("metadata", dict)) if k in manifest and not isinstance(manifest[k], kind)]
     if wrong:
         raise ModelDiffError(f"{path}: the model difference's manifest has {wrong} of the wrong kind; the file is damaged")
-    return ModelDiff(deltas, manifest.get("base_hash", ""), manifest.get("num_examples", 0), manifest.get("num_steps", 0),
-                     dict(manifest.get("metadata") or {}))
+    counts = [check_count(manifest.get(k, 0), k, f"{path}: the model difference's manifest") for k in ("num_examples", "num_steps")]
+    return manifest.get("base_hash", ""), counts[0], counts[1], dict(manifest.get("metadata") or {})
 
 
 def _check_finite(deltas: Mapping[str, np.ndarray], where: str) -> None:
@@ -158,7 +192,14 @@ def apply_diff(base, diff: ModelDiff | str | os.PathLike) -> Checkpoint:
 
 
 def aggregate(diffs: Sequence[ModelDiff], weights: Sequence[float] | None = None) -> ModelDiff:
-    """Weighted federated averaging; weights default to each diff's number of examples."""
+    """Weighted federated averaging; weights default to each diff's number of examples.
+
+    Refused with a ModelDiffError naming the input at fault, never averaged into a wrong
+    result: differences of other bases, parameters, shapes or dtypes; non-finite values;
+    counts that are not whole numbers in [0, 2**53] (see MAX_COUNT) or that sum past it;
+    with default weights, a difference that claims 0 examples (it would be left out without
+    a word; pass ``weights`` to weigh differences without counts); explicit weights that are
+    not finite numbers >= 0 with a positive sum."""
     if not diffs:
         raise ModelDiffError("aggregate needs at least one model difference")
     hashes = {d.base_hash for d in diffs}
@@ -166,18 +207,53 @@ def aggregate(diffs: Sequence[ModelDiff], weights: Sequence[float] | None = None
         raise ModelDiffError(f"the differences come from {len(hashes)} different base models; aggregate differences of one base only")
     names = list(diffs[0].deltas)
     for i, d in enumerate(diffs[1:], 1):
-        if list(d.deltas) != names or any(d.deltas[n].shape != diffs[0].deltas[n].shape for n in names):
-            raise ModelDiffError(f"difference {i} has other parameters or shapes than difference 0")
+        if list(d.deltas) != names or any(d.deltas[n].shape != diffs[0].deltas[n].shape or d.deltas[n].dtype != diffs[0].deltas[n].dtype
+                                          for n in names):
+            raise ModelDiffError(f"difference {i} has other parameters, shapes or dtypes than difference 0")
+    for i, d in enumerate(diffs):
+        _check_finite(d.deltas, f"aggregate: difference {i}")
+    counts = [check_count(d.num_examples, "num_examples", f"aggregate: difference {i}") for i, d in enumerate(diffs)]
+    steps = [check_count(d.num_steps, "num_steps", f"aggregate: difference {i}") for i, d in enumerate(diffs)]
+    total = sum(counts)
+    if total > MAX_COUNT:
+        raise ModelDiffError(f"aggregate: the differences' num_examples {counts} sum to {total}, more than 2**53 (exact in float64); "
+                             "a count that large is forged or damaged: leave those differences out")
     if weights is None:
-        weights = [d.num_examples for d in diffs]
-        if sum(weights) == 0:
-            weights = [1.0] * len(diffs)
-    w = np.asarray(weights, dtype=np.float64)
-    if w.shape != (len(diffs),) or np.any(w < 0) or w.sum() <= 0 or not np.all(np.isfinite(w)):
-        raise ModelDiffError(f"weights must be {len(diffs)} non-negative finite numbers with a positive sum, got {list(weights)}")
+        zero = [i for i, c in enumerate(counts) if c == 0]
+        if zero:
+            raise ModelDiffError(f"aggregate: difference(s) {zero} claim 0 training examples, so weighting by example count would "
+                                 "leave them out; set num_examples when making them (model_diff(..., num_examples=len(x))), "
+                                 f"or pass weights (weights=[1] * {len(diffs)} averages them equally)")
+        w = np.asarray(counts, dtype=np.float64)  # exact: every count and their sum are at most 2**53
+    else:
+        w = _checked_weights(weights, len(diffs))
     w = w / w.sum()
     deltas = {n: sum(wi * d.deltas[n].astype(np.float64) for wi, d in zip(w, diffs)).astype(diffs[0].deltas[n].dtype) for n in names}
-    return ModelDiff(deltas, diffs[0].base_hash, sum(d.num_examples for d in diffs), max(d.num_steps for d in diffs))
+    _check_finite(deltas, "aggregate: the average")  # a weighted mean of finite values is finite; checked all the same
+    return ModelDiff(deltas, diffs[0].base_hash, total, max(steps))
 
 
-__all__ = ["ModelDiff", "ModelDiffError", "aggregate", "apply_diff", "export_inference_model", "load_diff", "model_diff", "save_diff"]
+def _checked_weights(weights: Sequence[float], n: int) -> np.ndarray:
+    """Explicit aggregation weights as float64, scaled so the largest is 1 (their sum then lies in
+    [1, n]: no overflow to infinity, no underflow to zero), or a ModelDiffError naming the weight."""
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence | np.ndarray) or len(weights) != n:
+        raise ModelDiffError(f"aggregate: weights must be {n} numbers, one per difference, got {weights!r:.200}")
+    values = []
+    for i, x in enumerate(weights):
+        ok = not isinstance(x, bool) and isinstance(x, numbers.Real)
+        try:
+            v = float(x) if ok else math.nan
+        except OverflowError:  # an int past float64's range
+            v = math.inf
+        if not (math.isfinite(v) and v >= 0):
+            raise ModelDiffError(f"aggregate: weights[{i}] is {x!r:.60}; each weight must be a finite number >= 0")
+        values.append(v)
+    w = np.asarray(values, dtype=np.float64)
+    top = w.max()
+    if not top > 0:
+        raise ModelDiffError(f"aggregate: the weights {list(weights)} sum to 0; give at least one difference a positive weight")
+    return w / top
+
+
+__all__ = ["MAX_COUNT", "ModelDiff", "ModelDiffError", "aggregate", "apply_diff", "check_count", "export_inference_model", "load_diff",
+           "model_diff", "save_diff"]

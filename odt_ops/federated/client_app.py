@@ -82,7 +82,7 @@ def resolved_client_app(resolve: Resolver, *, eval_batch_size: int = 256) -> Cli
         if secagg.is_legacy_train(msg):
             params, config = secagg.read_fitins(msg, names=list(trainer(resolve(context)[0]).base))
             _, res = train_round(context, params, config)
-            return Message(secagg.fitres(res), reply_to=msg)
+            return Message(secagg.fitres(res, float(config[secagg.MAX_WEIGHT_KEY])), reply_to=msg)
         global_params = {k: v.numpy() for k, v in msg.content[ARRAYS].items()}
         cid, res = train_round(context, global_params, msg.content[CONFIG])
         metrics = {k: v for k, v in res.metrics.items() if k not in ("seconds", "train_loss_last")}

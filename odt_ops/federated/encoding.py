@@ -18,6 +18,7 @@ difference, which ``odt_ops.export.load_diff`` reads.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from odt_ops.errors import ModelDiffError
-from odt_ops.export import ModelDiff, _fingerprint, load_diff, save_diff
+from odt_ops.export import ModelDiff, _fingerprint, check_count, diff_header, load_diff, save_diff
 from odt_ops.tensorfile import read_tensor_file, write_tensor_file
 
 ENCODINGS = ("float32", "float16", "int8")
@@ -69,6 +70,8 @@ def encode_diff(diff: ModelDiff, encoding: str = "float32") -> EncodedDiff:
     """``diff`` in ``encoding`` (see the module docstring)."""
     check_encoding(encoding)
     _check_finite(diff.deltas, "model difference")
+    num_examples = check_count(diff.num_examples, "num_examples", "encode_diff: the model difference")
+    num_steps = check_count(diff.num_steps, "num_steps", "encode_diff: the model difference")
     tensors: dict[str, np.ndarray] = {}
     scales: dict[str, float] = {}
     for name, delta in diff.deltas.items():
@@ -91,12 +94,14 @@ def encode_diff(diff: ModelDiff, encoding: str = "float32") -> EncodedDiff:
                 q = np.zeros(d.shape, np.int8)
             tensors[name] = q
             scales[name] = float(scale)
-    return EncodedDiff(encoding, tensors, diff.base_hash, scales, int(diff.num_examples), int(diff.num_steps), dict(diff.metadata))
+    return EncodedDiff(encoding, tensors, diff.base_hash, scales, num_examples, num_steps, dict(diff.metadata))
 
 
 def decode_diff(encoded: EncodedDiff) -> ModelDiff:
-    """The float32 ``ModelDiff`` an encoded one stands for."""
+    """The float32 ``ModelDiff`` an encoded one stands for (its counts checked: whole numbers in [0, 2**53])."""
     check_encoding(encoded.encoding)
+    num_examples = check_count(encoded.num_examples, "num_examples", "decode_diff: the encoded difference")
+    num_steps = check_count(encoded.num_steps, "num_steps", "decode_diff: the encoded difference")
     deltas: dict[str, np.ndarray] = {}
     for name, t in encoded.tensors.items():
         t = np.asarray(t)
@@ -115,7 +120,7 @@ def decode_diff(encoded: EncodedDiff) -> ModelDiff:
                 raise ModelDiffError(f"{name}: a {encoded.encoding}-encoded tensor holds {t.dtype}")
             deltas[name] = t.astype(np.float32)
     _check_finite(deltas, "decoded model difference")
-    return ModelDiff(deltas, encoded.base_hash, encoded.num_examples, encoded.num_steps, dict(encoded.metadata))
+    return ModelDiff(deltas, encoded.base_hash, num_examples, num_steps, dict(encoded.metadata))
 
 
 def encoding_error(diff: ModelDiff, encoded: EncodedDiff) -> float:
@@ -132,6 +137,8 @@ def save_encoded(encoded: EncodedDiff, path: str | os.PathLike) -> None:
         save_diff(decode_diff(encoded), path)
         return
     check_encoding(encoded.encoding)
+    for key in ("num_examples", "num_steps"):  # load_encoded would refuse the file
+        check_count(getattr(encoded, key), key, f"{path}: the encoded difference")
     header = {"encoding": encoded.encoding, "base_hash": encoded.base_hash, "num_examples": encoded.num_examples,
               "num_steps": encoded.num_steps, "metadata": encoded.metadata}
     tensors = [({"name": n, **({"scale": encoded.scales[n]} if n in encoded.scales else {})}, t) for n, t in encoded.tensors.items()]
@@ -151,12 +158,28 @@ def load_encoded(path: str | os.PathLike) -> EncodedDiff:
     encoding = manifest.get("encoding")
     if encoding not in ENCODINGS:
         raise ModelDiffError(f"{path}: unknown encoding {encoding!r}; the file is damaged")
+    base_hash, num_examples, num_steps, metadata = diff_header(manifest, path)
     arrays = {e["name"]: np.array(a) for e, a in tensors}
-    scales = {e["name"]: float(e["scale"]) for e, _ in tensors if "scale" in e}
-    enc = EncodedDiff(encoding, arrays, str(manifest.get("base_hash", "")), scales, int(manifest.get("num_examples", 0)),
-                      int(manifest.get("num_steps", 0)), dict(manifest.get("metadata") or {}))
-    decode_diff(enc)  # every tensor of the right dtype, finite, with its scale
+    scales = {e["name"]: _scale(e["scale"]) for e, _ in tensors if "scale" in e}
+    bad = [n for n, v in scales.items() if not math.isfinite(v)]
+    if bad:
+        raise ModelDiffError(f"{path}: the int8 scales of {bad} are not finite numbers; the file is damaged")
+    enc = EncodedDiff(encoding, arrays, base_hash, scales, num_examples, num_steps, metadata)
+    try:
+        decode_diff(enc)  # every tensor of the right dtype, finite, with its scale
+    except ModelDiffError as exc:
+        raise ModelDiffError(f"{path}: {exc}") from None
     return enc
+
+
+def _scale(value) -> float:
+    """A manifest's scale as a float (NaN for anything that is not a number in float64's range)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.nan
 
 
 def clip_update(deltas: Mapping[str, np.ndarray], max_norm: float) -> tuple[dict[str, np.ndarray], float]:

@@ -23,6 +23,7 @@ for Flower.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 from collections.abc import Mapping
@@ -33,9 +34,9 @@ import numpy as np
 
 from odt_ops import meta
 from odt_ops.api import CheckpointState, Module, Optimizer
-from odt_ops.errors import InputError, ModelDiffError
+from odt_ops.errors import ArgumentError, ArgumentTypeError, InputError, ModelDiffError
 from odt_ops.export import ModelDiff, apply_diff
-from odt_ops.federated.encoding import EncodedDiff, check_encoding, clip_update, encode_diff, fingerprint
+from odt_ops.federated.encoding import ENCODINGS, EncodedDiff, check_encoding, clip_update, encode_diff, fingerprint
 from odt_ops.federated.proximal import ProximalTerm
 from odt_ops.ir.load import read_model
 
@@ -60,24 +61,67 @@ class RoundConfig:
     clip_norm: float | None = None  # client-side clipping of the update's L2 norm (DP with client-side clipping)
 
     def __post_init__(self):
-        problems = []
-        if self.epochs < 0:
-            problems.append(f"epochs={self.epochs} (expected >= 0)")
-        if self.batch_size < 1:
-            problems.append(f"batch_size={self.batch_size} (expected >= 1)")
-        if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
-            problems.append(f"learning_rate={self.learning_rate} (expected a finite number >= 0)")
-        if not (math.isfinite(self.proximal_mu) and self.proximal_mu >= 0):
-            problems.append(f"proximal_mu={self.proximal_mu} (expected a finite number >= 0)")
-        if self.update not in UPDATE_KINDS:
+        """Every field checked (an ArgumentTypeError or ArgumentError naming it), ints and floats
+        normalized to Python's: a wrong value fails here, not inside numpy mid-round."""
+        problems: list[str] = []
+        wrong_type: list[str] = []
+
+        def integer(name: str, low: int, *, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                wrong_type.append(f"{name}={v!r} is {type(v).__name__}, expected an int >= {low}" + (" or None" if optional else ""))
+            elif v < low:
+                problems.append(f"{name}={v} (expected an int >= {low}" + (" or None)" if optional else ")"))
+            else:
+                object.__setattr__(self, name, int(v))
+
+        def real(name: str, *, positive: bool = False, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            want = "a finite number " + ("> 0" if positive else ">= 0") + (" or None" if optional else "")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                wrong_type.append(f"{name}={v!r} is {type(v).__name__}, expected {want}")
+                return
+            try:
+                f = float(v)
+            except OverflowError:  # an int past float64's range
+                f = math.inf
+            if not (math.isfinite(f) and (f > 0 if positive else f >= 0)):
+                problems.append(f"{name}={v!r} (expected {want})")
+            else:
+                object.__setattr__(self, name, f)
+
+        integer("epochs", 1)
+        integer("batch_size", 1)
+        real("learning_rate")  # as odt_ops.api.optimizer.checked_learning_rate
+        real("proximal_mu")
+        integer("seed", 0)  # with client_id and server_round, the entropy of numpy's SeedSequence: non-negative ints
+        integer("client_id", 0)
+        integer("server_round", 0)
+        if not isinstance(self.shuffle, bool):
+            wrong_type.append(f"shuffle={self.shuffle!r} is {type(self.shuffle).__name__}, expected True or False")
+        integer("max_steps", 0, optional=True)
+        if not isinstance(self.update, str):
+            wrong_type.append(f"update={self.update!r} is {type(self.update).__name__}, expected one of {UPDATE_KINDS}")
+        elif self.update not in UPDATE_KINDS:
             problems.append(f"update={self.update!r} (expected one of {UPDATE_KINDS})")
-        if self.max_steps is not None and self.max_steps < 0:
-            problems.append(f"max_steps={self.max_steps} (expected >= 0 or None)")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            problems.append(f"clip_norm={self.clip_norm} (expected > 0 or None)")
+        if not isinstance(self.encoding, str):
+            wrong_type.append(f"encoding={self.encoding!r} is {type(self.encoding).__name__}, expected one of {ENCODINGS}")
+        real("clip_norm", positive=True, optional=True)
+        hint = _POSITIONAL_HINT if isinstance(self.seed, str) else ""  # RoundConfig(3, 16, 5e-3, 0.1, "int8")
+        if wrong_type:
+            raise ArgumentTypeError("RoundConfig: " + "; ".join(wrong_type + problems) + hint)
         if problems:
-            raise InputError("RoundConfig: " + "; ".join(problems))
+            raise ArgumentError("RoundConfig: " + "; ".join(problems))
         check_encoding(self.encoding)
+
+
+# RoundConfig's positional order, said when seed is a string: the fifth field is seed, not encoding
+_POSITIONAL_HINT = (" (RoundConfig's positional fields are epochs, batch_size, learning_rate, proximal_mu, seed; "
+                    "pass the others, encoding among them, by keyword)")
 
 
 @dataclass

@@ -6,7 +6,7 @@ Flower 1.42 runs SecAgg+ in its legacy server loop: ``DefaultWorkflow`` with a
 to each sampled client instead of one (setup; share keys; collect masked vectors;
 unmask): each client secret-shares its keys with ``num_shares`` others, clips its
 update's values to ``[-clipping_range, clipping_range]``, weights it by its example
-count (at most ``max_weight``), quantizes it to ``quantization_range`` levels and adds
+count (capped at ``max_weight`` by our client: ``fitres``), quantizes it to ``quantization_range`` levels and adds
 pairwise masks that cancel in the sum. The server unmasks only the sum: it learns the
 weighted mean of the sampled clients' updates, never one client's.
 
@@ -78,13 +78,23 @@ def read_evaluateins(msg: Message, names: list[str]) -> dict[str, np.ndarray]:
     return _named(compat.recorddict_to_evaluateins(msg.content, keep_input=True).parameters, names)
 
 
-def fitres(res: RoundResult) -> RecordDict:
+# the fit config's key for SecAgg+'s max_weight: the client caps its example count at it
+MAX_WEIGHT_KEY = "secagg-max-weight"
+
+
+def fitres(res: RoundResult, max_weight: float) -> RecordDict:
     """The reply secaggplus_mod masks: the exact float32 difference (in the artifacts'
-    parameter order) and the example count it is weighted by."""
+    parameter order) and the example count it is weighted by, at most ``max_weight``.
+
+    Why the cap is ours: secaggplus_mod multiplies the update by ``num_examples / max_weight``
+    before clipping it to the clipping range, and above 1 it only logs a warning
+    (flwr/client/mod/secure_aggregation/secaggplus_mod.py), so an honest client with more
+    examples than ``max_weight`` had its update scaled past the range and clipped: a distorted
+    mean, in silence. Capped, such a client weighs ``max_weight``, as the settings say."""
     deltas = [np.asarray(v, np.float32) for v in res.diff.deltas.values()]
     metrics = {k: float(v) for k, v in res.metrics.items() if k not in ("seconds", "train_loss_last")}
-    return compat.fitres_to_recorddict(FitRes(Status(Code.OK, ""), ndarrays_to_parameters(deltas), int(res.num_examples), metrics),
-                                       keep_input=True)
+    weight = min(int(res.num_examples), int(max_weight))
+    return compat.fitres_to_recorddict(FitRes(Status(Code.OK, ""), ndarrays_to_parameters(deltas), weight, metrics), keep_input=True)
 
 
 def evaluateres(metrics: Mapping[str, float]) -> RecordDict:
@@ -195,7 +205,7 @@ def run_secure_federation(grid: Grid, context: Context, start: dict[str, np.ndar
         fraction_fit=settings.fraction_train, fraction_evaluate=settings.fraction_evaluate,
         min_fit_clients=min(n, settings.min_train_clients), min_evaluate_clients=min(n, settings.min_evaluate_clients),
         min_available_clients=n, evaluate_fn=central,
-        on_fit_config_fn=lambda r: {**dict(train_config(settings)), "server-round": int(r)},
+        on_fit_config_fn=lambda r: {**dict(train_config(settings)), "server-round": int(r), MAX_WEIGHT_KEY: float(settings.secagg.max_weight)},
         initial_parameters=ndarrays_to_parameters([start[k] for k in names]),
         fit_metrics_aggregation_fn=fit_metrics, evaluate_metrics_aggregation_fn=evaluate_metrics,
     )

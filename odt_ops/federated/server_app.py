@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import time
@@ -36,10 +37,11 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp import strategy as fl
 
 from odt_ops.errors import ArgumentError, ModelDiffError
+from odt_ops.export import check_count
 from odt_ops.federated.encoding import EncodedDiff, check_update, decode_diff, fingerprint
 from odt_ops.federated.record import RoundRecord
 from odt_ops.federated.settings import STRATEGY_NAMES, FederationSettings
-from odt_ops.federated.task import ARRAYS, METRICS, ODT, EvaluateFn, decode_reply, initial_parameters, train_config
+from odt_ops.federated.task import ARRAYS, METRICS, ODT, WEIGHT_KEY, EvaluateFn, decode_reply, initial_parameters, train_config
 
 log = logging.getLogger("odt_ops.federated")
 
@@ -161,12 +163,14 @@ class GuardedStrategy(fl.Strategy):
                 self._drop(rec, client if client is not None else claimed, node, "; ".join(problems))
                 continue
             full = {k: (self._current[k] + diff.deltas[k]).astype(self._current[k].dtype) for k in self._current}
-            metrics = MetricRecord({k: v for k, v in msg.content[METRICS].items()})
+            # the weight Flower's strategy averages by is the count checked in decode_reply, an int in [1, 2**53]
+            metrics = MetricRecord({**dict(msg.content[METRICS].items()), WEIGHT_KEY: enc.num_examples})
             msg.content = RecordDict({ARRAYS: ArrayRecord({k: Array(v) for k, v in full.items()}), METRICS: metrics})
             key = client if client is not None else claimed
             accepted.append((key, msg))
             updates[key] = enc
         accepted.sort(key=lambda pair: pair[0])
+        _common_metrics(server_round, [m for _, m in accepted], "training")
         rec.clients = [c for c, _ in accepted]
         rec.participants = len(accepted)
         if len(accepted) < self.min_successful:
@@ -213,11 +217,25 @@ class GuardedStrategy(fl.Strategy):
         good = []
         for msg in replies:
             node = msg.metadata.src_node_id
+            who = self.client_of_node.get(node, node)
             if msg.has_error():
-                log.warning("round %d: evaluation on client %s failed: %s", server_round, self.client_of_node.get(node, node), msg.error.reason)
+                log.warning("round %d: evaluation on client %s failed: %s", server_round, who, msg.error.reason)
                 continue
+            try:
+                metrics = msg.content[METRICS]
+                count = check_count(metrics[WEIGHT_KEY], WEIGHT_KEY, "evaluation")
+            except ModelDiffError as exc:
+                log.warning("round %d: evaluation on client %s left out: %s", server_round, who, exc)
+                continue
+            except Exception as exc:  # no metrics record, or no count in it
+                log.warning("round %d: evaluation on client %s left out: malformed reply (%s: %s)", server_round, who, type(exc).__name__, exc)
+                continue
+            if count == 0:  # no holdout: nothing measured (and its NaN loss would turn the weighted mean NaN)
+                continue
+            msg.content = RecordDict({METRICS: MetricRecord({**dict(metrics.items()), WEIGHT_KEY: count})})
             good.append((self.client_of_node.get(node, -1), msg))
         good.sort(key=lambda pair: pair[0])
+        _common_metrics(server_round, [m for _, m in good], "evaluation")
         rec.client_eval_count = len(good)
         if not good:
             return None
@@ -229,6 +247,25 @@ class GuardedStrategy(fl.Strategy):
 
     def summary(self) -> None:
         self.inner.summary()
+
+
+def _common_metrics(server_round: int, replies: list[Message], what: str) -> None:
+    """Each reply's metrics cut, in place, to the keys every reply carries as a finite number:
+    Flower's strategies refuse replies whose metric keys differ (an exception that ends the
+    run) and average whatever values they get (one client's NaN makes the mean NaN)."""
+    if not replies:
+        return
+
+    def numeric(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    records = [m.content[METRICS] for m in replies]
+    keys = [k for k in records[0] if all(k in r and numeric(r[k]) for r in records)]
+    dropped = sorted({k for r in records for k in r} - set(keys))
+    if dropped:
+        log.warning("round %d: %s metrics %s left out of the average (not a finite number from every client)", server_round, what, dropped)
+        for m, r in zip(replies, records):
+            m.content[METRICS] = MetricRecord({k: r[k] for k in keys})
 
 
 def build_strategy(settings: FederationSettings, specs: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> GuardedStrategy:

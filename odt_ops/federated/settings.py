@@ -7,6 +7,7 @@ imported, and the engine stays importable without ``odt[federated]``.
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -98,6 +99,8 @@ class FederationSettings:
         need(self.encoding in ENCODINGS, "encoding", f"one of {', '.join(ENCODINGS)}")
         need(self.dp.mode in DP_MODES, "dp.mode", f"one of {', '.join(DP_MODES)}")
         need(self.rounds >= 0, "rounds", "an integer >= 0")
+        need(isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool) and self.seed >= 0, "seed",
+             "an integer >= 0 (each client's RoundConfig seed)")
         for key in ("clients", "local_epochs", "batch_size", "min_train_clients", "min_evaluate_clients", "min_successful_clients"):
             need(getattr(self, key) >= 1, key, "an integer >= 1")
         need(self.min_successful_clients <= self.clients, "min_successful_clients", f"at most clients ({self.clients})")

@@ -23,6 +23,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is import
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
 from odt_ops.errors import ModelDiffError
+from odt_ops.export import check_count
 from odt_ops.federated.encoding import EncodedDiff
 from odt_ops.federated.local import EvalResult, LocalTrainer
 from odt_ops.federated.settings import FederationSettings
@@ -101,7 +102,9 @@ def decode_reply(content: RecordDict) -> tuple[EncodedDiff, int]:
                 scales[key[: -len(SCALE_SUFFIX)]] = float(value.numpy())
             else:
                 tensors[key] = value.numpy()
-        enc = EncodedDiff(encoding, tensors, str(info["base-hash"]), scales, int(metrics[WEIGHT_KEY]), int(info.get("num-steps", 0)))
+        num_examples = check_count(metrics[WEIGHT_KEY], WEIGHT_KEY, "update")  # a forged weight: refused, not averaged
+        num_steps = check_count(info.get("num-steps", 0), "num-steps", "update")
+        enc = EncodedDiff(encoding, tensors, str(info["base-hash"]), scales, num_examples, num_steps)
         return enc, int(info["client-id"])
     except ModelDiffError:
         raise

@@ -114,3 +114,66 @@ def test_check_update_names_each_problem():
     assert "non-finite" in check_update({**good, "b": np.array([0, np.nan], np.float32)}, specs)[0]
     assert "missing" in check_update({"w": good["w"]}, specs)[0]
     assert "expected float32[2]" in check_update({**good, "b": np.zeros(3, np.float32)}, specs)[0]
+
+
+FORGED = [10**400, 2**53 + 1, -1, 2.0, 1e308, "3", True, None]
+
+
+@pytest.mark.parametrize("value", FORGED, ids=lambda v: repr(v)[:24])
+@pytest.mark.parametrize("key", ["num_examples", "num_steps"])
+def test_encode_decode_and_save_refuse_a_forged_count(tmp_path, key, value):
+    d = _diff()
+    setattr(d, key, value)
+    with pytest.raises(ModelDiffError, match=f"encode_diff: the model difference: {key}"):
+        encode_diff(d, "int8")
+    enc = encode_diff(_diff(), "int8")
+    setattr(enc, key, value)
+    with pytest.raises(ModelDiffError, match=f"decode_diff: the encoded difference: {key}"):
+        decode_diff(enc)
+    with pytest.raises(ModelDiffError, match=key):
+        save_encoded(enc, tmp_path / "u.odtdiff")
+    assert not (tmp_path / "u.odtdiff").exists()
+
+
+def _forge_encoded(path, entry=None, **header):
+    from odt_ops.federated.encoding import ENCODED_FORMAT, ENCODED_VERSION
+    from odt_ops.tensorfile import write_tensor_file
+
+    header = {"encoding": "int8", "base_hash": "ab" * 32, "num_examples": 3, "num_steps": 1, "metadata": {}, **header}
+    write_tensor_file(path, ENCODED_FORMAT, ENCODED_VERSION, header, [({"name": "w", "scale": 0.5, **(entry or {})},
+                                                                       np.array([1, -2, 3], np.int8))], ModelDiffError)
+
+
+@pytest.mark.parametrize("value", FORGED, ids=lambda v: repr(v)[:24])
+@pytest.mark.parametrize("key", ["num_examples", "num_steps"])
+def test_load_encoded_refuses_a_forged_count_naming_the_file(tmp_path, key, value):
+    path = tmp_path / "forged.odtdiff"
+    _forge_encoded(path, **{key: value})
+    with pytest.raises(ModelDiffError) as info:
+        load_encoded(path)
+    assert str(path) in str(info.value) and key in str(info.value), info.value
+
+
+@pytest.mark.parametrize("header, entry, match", [
+    ({"metadata": [1, 2]}, None, r"\['metadata'\] of the wrong kind"),  # before: TypeError from dict()
+    ({"base_hash": 7}, None, r"\['base_hash'\] of the wrong kind"),
+    ({}, {"scale": "x"}, r"scales of \['w'\] are not finite"),  # before: ValueError from float()
+    ({}, {"scale": 10**400}, r"scales of \['w'\] are not finite"),  # before: OverflowError from float()
+    ({}, {"scale": [1]}, r"scales of \['w'\] are not finite"),
+    ({}, {"scale": -1.0}, "int8 scale -1.0 is not a finite number >= 0"),
+])
+def test_load_encoded_refuses_a_damaged_header_naming_the_file(tmp_path, header, entry, match):
+    path = tmp_path / "damaged.odtdiff"
+    _forge_encoded(path, entry, **header)
+    with pytest.raises(ModelDiffError, match=match) as info:
+        load_encoded(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_encoded_keeps_counts_up_to_2_53(tmp_path):
+    path = tmp_path / "big.odtdiff"
+    _forge_encoded(path, num_examples=2**53)
+    back = load_encoded(path)
+    assert back.num_examples == 2**53
+    assert decode_diff(back).num_examples == 2**53
+    np.testing.assert_array_equal(decode_diff(back).deltas["w"], np.array([0.5, -1.0, 1.5], np.float32))

@@ -15,7 +15,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from odt_ops.export import ModelDiff, aggregate
-from odt_ops.federated import encode_diff, fingerprint
+from odt_ops.federated import decode_diff, encode_diff, fingerprint
 from odt_ops.federated.flower import (
     STRATEGIES,
     ClientData,
@@ -157,6 +157,9 @@ def test_same_seed_same_bits_other_seed_other_clients(art):
     assert [r.clients for r in a.rounds] != [r.clients for r in c.rounds]
 
 
+FORGED_WEIGHTS = {"weight-1e308": 1e308, "weight-2**62": 2**62, "weight-float": 40.0, "weight-0": 0, "weight-negative": -5}
+
+
 def _misbehaving(kind_by_client):
     """Wrap client apps so some misbehave: fail, send NaN, train from another base, send garbage."""
 
@@ -183,11 +186,28 @@ def _misbehaving(kind_by_client):
                 reply.content["arrays"][key] = Array(np.zeros(3, np.float32))
             elif kind == "garbage":
                 reply.content = RecordDict({"arrays": ArrayRecord(), "metrics": MetricRecord({"num-examples": 5})})
+            elif kind in FORGED_WEIGHTS:  # an honest update, a forged weight
+                reply.content["metrics"]["num-examples"] = FORGED_WEIGHTS[kind]
+            elif kind == "extra-metric":
+                reply.content["metrics"]["forged"] = 1.0
+            elif kind == "nan-metric":
+                reply.content["metrics"]["train_loss"] = float("nan")
             return reply
 
         @bad.evaluate()
         def evaluate(msg, ctx):
-            return app(msg, ctx)
+            if kind == "eval-fail":
+                raise RuntimeError("no holdout today")
+            reply = app(msg, ctx)
+            if kind in ("eval-heavy", "eval-extra", "eval-empty"):
+                m = reply.content["metrics"]
+                if kind == "eval-heavy":
+                    m["num-examples"] = 1e308
+                elif kind == "eval-extra":
+                    m["forged"] = 1.0
+                else:  # a client with no holdout examples: no count, a NaN loss
+                    m["num-examples"], m["loss"] = 0, float("nan")
+            return reply
 
         @bad.query()
         def query(msg, ctx):
@@ -289,6 +309,9 @@ def test_settings_from_a_flat_run_config():
     assert FederationSettings.from_config(s.to_config()) == s
     with pytest.raises(ValueError, match="strategy='fedsgd'"):
         FederationSettings(strategy="fedsgd")
+    for seed in (-1, 1.5, "3", None, True):  # each client's RoundConfig would refuse it, every round
+        with pytest.raises(ValueError, match="seed"):
+            FederationSettings(seed=seed)
 
 
 def test_encode_reply_round_trip():
@@ -331,3 +354,91 @@ def test_every_client_answers_before_the_server_computes(art, secure):
     assert events[:5] == [("send", MessageType.QUERY)] * 4 + [("evaluate", 0)]
     assert ("evaluate", 1) in events  # and the federation ran on
     assert sorted(res.clients.values()) == [0, 1, 2, 3]
+
+
+def _replies(diffs, weights):
+    instr = Message(RecordDict(), dst_node_id=1, message_type=MessageType.TRAIN)
+    return [Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in d.items()}), "metrics": MetricRecord({"num-examples": w})}),
+                    reply_to=instr) for d, w in zip(diffs, weights)]
+
+
+def test_what_flowers_fedavg_does_with_a_forged_weight():
+    """The oracle for what the guard stops: Flower's FedAvg sums the claimed weights as they come
+    (flwr/serverapp/strategy/strategy_utils.py, aggregate_arrayrecords) and checks only that the key is there and not
+    a list (validate_message_reply_consistency)."""
+    arrays = [{"w": np.full(3, v, np.float32)} for v in (1.0, 2.0, 3.0)]
+    theirs, _ = FedAvg().aggregate_train(1, _replies(arrays, [1e308, 1e308, 5]))
+    np.testing.assert_array_equal(theirs["w"].numpy(), np.zeros(3, np.float32))  # the weights' sum is inf: every factor 0
+    theirs, _ = FedAvg().aggregate_train(1, _replies(arrays, [2**62, 40, 5]))
+    np.testing.assert_allclose(theirs["w"].numpy(), arrays[0]["w"], rtol=1e-6)  # a huge legal int: that client's model, alone
+    with np.errstate(invalid="ignore"):
+        theirs, _ = FedAvg().aggregate_train(1, _replies(arrays, [float("nan"), 40, 5]))
+    assert np.all(np.isnan(theirs["w"].numpy()))
+
+
+@pytest.mark.parametrize("value", [1e308, 2**62, 2**53 + 1, 40.0, -5, "40", float("nan"), float("inf")], ids=repr)
+def test_decode_reply_refuses_a_forged_weight(value):
+    from odt_ops.errors import ModelDiffError
+    from odt_ops.federated.flower import decode_reply
+
+    content = encode_reply(encode_diff(ModelDiff({"w": np.ones(3, np.float32)}, "h" * 64, 12, 3)), 12, {}, 4)
+    if isinstance(value, str):  # a MetricRecord holds no strings: a record of another kind under the key
+        content["metrics"] = ConfigRecord({"num-examples": value})
+    else:
+        content["metrics"]["num-examples"] = value
+    with pytest.raises(ModelDiffError, match="num-examples|malformed"):
+        decode_reply(content)
+
+
+def _fedavg_by_hand(start, updates):
+    """The round's global model computed here in float64 from the updates the server kept."""
+    diffs = {c: decode_diff(u) for c, u in updates.items()}
+    total = sum(d.num_examples for d in diffs.values())
+    return {k: start[k].astype(np.float64) + sum(d.num_examples * d.deltas[k].astype(np.float64) for d in diffs.values()) / total
+            for k in start}
+
+
+def test_forged_weights_are_dropped_and_the_rest_averaged_correctly(art, caplog):
+    from odt_ops.federated.flower import initial_parameters
+
+    data, _ = blobs()
+    kinds = {1: "weight-1e308", 2: "weight-1e308", 3: "weight-2**62", 4: "weight-float", 5: "weight-0", 6: "weight-negative",
+             7: "extra-metric", 8: "nan-metric"}
+    s = FederationSettings(rounds=1, clients=10, lr=0.1, seed=0)
+    with caplog.at_level(logging.WARNING, logger="odt_ops.federated"):
+        res = run_federation(grid_for(art, data, 10, wrap=_misbehaving(kinds)), art, s)
+    r = res.rounds[0]
+    assert r.clients == [0, 7, 8, 9]  # before: 1e308 twice made Flower's weights sum to inf and the global model all zeros
+    reasons = {d["client"]: d["reason"] for d in r.dropped}
+    assert set(reasons) == {1, 2, 3, 4, 5, 6}
+    assert "update: num-examples is 1e+308 (float); expected a whole number" in reasons[1]
+    assert "num-examples is 4611686018427387904, outside [0, 2**53]" in reasons[3]
+    assert "num-examples is 40.0 (float)" in reasons[4]
+    assert "claims 0 training examples" in reasons[5]
+    assert "num-examples is -5" in reasons[6]
+    # an extra or NaN metric no longer ends the run (Flower raised InconsistentMessageReplies) nor poisons the mean
+    assert "training metrics ['forged', 'train_loss'] left out of the average" in caplog.text
+    assert "train_loss" not in r.train_metrics and "forged" not in r.train_metrics
+    expected = _fedavg_by_hand(initial_parameters(art), res.last_updates)
+    assert sorted(res.last_updates) == [0, 7, 8, 9]
+    for k, v in expected.items():
+        np.testing.assert_allclose(res.parameters[k], v, rtol=1e-5, atol=1e-6)
+    # and exactly what Flower gives when those clients fail outright
+    failed = run_federation(grid_for(art, data, 10, wrap=_misbehaving(dict.fromkeys(range(1, 7), "fail"))), art, s)
+    for k in res.parameters:
+        assert res.parameters[k].tobytes() == failed.parameters[k].tobytes()
+
+
+def test_forged_evaluation_weights_are_left_out(art, caplog):
+    data, _ = blobs()
+    s = FederationSettings(rounds=1, clients=6, lr=0.1, seed=0)
+    with caplog.at_level(logging.WARNING, logger="odt_ops.federated"):
+        forged = run_federation(grid_for(art, data, 6, wrap=_misbehaving({1: "eval-heavy", 2: "eval-heavy", 3: "eval-empty"})), art, s)
+    honest = run_federation(grid_for(art, data, 6, wrap=_misbehaving({1: "eval-fail", 2: "eval-fail", 3: "eval-fail"})), art, s)
+    # before: 1e308 twice summed to inf and the clients' accuracy and loss came out 0.0; a NaN loss with 0 examples made the loss NaN
+    assert forged.rounds[0].client_eval == honest.rounds[0].client_eval
+    assert forged.rounds[0].client_eval_count == honest.rounds[0].client_eval_count == 3
+    assert 0 < forged.rounds[0].client_eval["accuracy"] <= 1 and np.isfinite(forged.rounds[0].client_eval["loss"])
+    assert "evaluation on client 1 left out: evaluation: num-examples is 1e+308 (float)" in caplog.text
+    extra = run_federation(grid_for(art, data, 6, wrap=_misbehaving({4: "eval-extra"})), art, s)
+    assert extra.rounds[0].client_eval_count == 6 and "forged" not in extra.rounds[0].client_eval

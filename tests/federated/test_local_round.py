@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from odt_ops.errors import InputError, ModelDiffError, TrainingDivergedError
+from odt_ops.errors import ArgumentError, ArgumentTypeError, InputError, ModelDiffError, TrainingDivergedError
 from odt_ops.export import apply_diff, model_diff
 from odt_ops.federated import LocalTrainer, RoundConfig, fingerprint
 from tests.federated.helpers import linear_artifacts, mlp_artifacts
@@ -178,7 +178,7 @@ def test_arrays_update_and_bad_inputs(mlp_dir):
         trainer.train_round({**trainer.base, "bogus": np.zeros(1, np.float32)}, x, y)
     with pytest.raises(InputError, match="NaN"):
         trainer.train_round({**trainer.base, "fc0.bias": np.full(32, np.nan, np.float32)}, x, y)
-    with pytest.raises(InputError, match="encoding|learning_rate"):
+    with pytest.raises(ArgumentError, match="learning_rate=-1.0"):
         RoundConfig(learning_rate=-1.0)
     with pytest.raises(ModelDiffError, match="encoding"):
         RoundConfig(encoding="int4")
@@ -198,3 +198,43 @@ def test_the_engine_imports_without_flower():
                           capture_output=True, text=True, timeout=120)
     # Flower's layout (client app, server app, task, simulation, SecAgg+); the settings stay free of it
     assert grep.stdout.strip() == "['client_app.py', 'secagg.py', 'server_app.py', 'simulation.py', 'task.py']"
+
+
+def test_round_config_as_the_readme_wrote_it_is_refused_naming_seed(mlp_dir):
+    """The README's RoundConfig(epochs, batch_size, learning_rate, proximal_mu, encoding): the fifth field is seed."""
+    with pytest.raises(ValueError, match="unrecognized seed string"):  # where it failed before: numpy, mid-round
+        np.random.default_rng(["int8", 0, 0])
+    with pytest.raises(ArgumentTypeError, match=r"seed='int8' is str.*positional fields are epochs, batch_size, learning_rate, "
+                                                r"proximal_mu, seed; pass the others, encoding among them, by keyword") as info:
+        RoundConfig(3, 16, 5e-3, 0.1, "int8")
+    assert isinstance(info.value, TypeError)
+    cfg = RoundConfig(3, 16, 5e-3, 0.1, encoding="int8")  # what the README meant
+    res = LocalTrainer(mlp_dir).train_round(None, np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np.int64), cfg)
+    assert res.update.encoding == "int8" and res.num_steps == 3
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("epochs", 0, ArgumentError), ("epochs", 1.5, ArgumentTypeError), ("epochs", True, ArgumentTypeError), ("epochs", "2", ArgumentTypeError),
+    ("batch_size", 0, ArgumentError), ("batch_size", 8.0, ArgumentTypeError), ("batch_size", None, ArgumentTypeError),
+    ("learning_rate", float("nan"), ArgumentError), ("learning_rate", float("inf"), ArgumentError), ("learning_rate", -1e-3, ArgumentError),
+    ("learning_rate", "1e-3", ArgumentTypeError), ("learning_rate", None, ArgumentTypeError), ("learning_rate", 10**400, ArgumentError),
+    ("proximal_mu", -0.1, ArgumentError), ("proximal_mu", float("nan"), ArgumentError), ("proximal_mu", "0.1", ArgumentTypeError),
+    ("seed", -1, ArgumentError), ("seed", None, ArgumentTypeError), ("seed", 1.0, ArgumentTypeError), ("seed", "int8", ArgumentTypeError),
+    ("client_id", -3, ArgumentError), ("client_id", "3", ArgumentTypeError), ("server_round", -1, ArgumentError),
+    ("shuffle", 1, ArgumentTypeError), ("max_steps", -1, ArgumentError), ("max_steps", 2.5, ArgumentTypeError),
+    ("update", "weights", ArgumentError), ("update", None, ArgumentTypeError), ("encoding", 8, ArgumentTypeError),
+    ("clip_norm", 0.0, ArgumentError), ("clip_norm", float("nan"), ArgumentError), ("clip_norm", float("inf"), ArgumentError),
+    ("clip_norm", "1", ArgumentTypeError),
+])
+def test_round_config_refuses_each_bad_field_naming_it(field, value, error):
+    with pytest.raises(error, match=f"RoundConfig: {field}=") as info:
+        RoundConfig(**{field: value})
+    assert type(info.value) is error
+
+
+def test_round_config_takes_numpy_numbers_as_python_ones():
+    cfg = RoundConfig(epochs=np.int64(2), batch_size=np.int32(8), learning_rate=np.float32(0.5), proximal_mu=np.int64(0),
+                      seed=np.uint64(7), max_steps=np.int16(3), clip_norm=np.float64(1.0))
+    assert (cfg.epochs, cfg.batch_size, cfg.learning_rate, cfg.proximal_mu, cfg.seed, cfg.max_steps, cfg.clip_norm) == (2, 8, 0.5, 0.0, 7, 3, 1.0)
+    assert all(type(v) in (int, float) for v in (cfg.epochs, cfg.batch_size, cfg.learning_rate, cfg.proximal_mu, cfg.seed))
+    assert RoundConfig(max_steps=0, clip_norm=None).max_steps == 0

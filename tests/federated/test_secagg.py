@@ -110,3 +110,24 @@ def test_secagg_aggregate_is_fedavg_within_quantization_and_no_update_is_seen(se
     assert revealed(grid.replies, updates) == set()
     # secaggplus_mod emptied the reply's arrays before it left the client
     assert all(len(rec) == 0 for r in grid.replies if not r.has_error() for rec in r.content.array_records.values())
+
+
+def test_a_client_with_more_examples_than_max_weight_weighs_max_weight(setup):
+    """secaggplus_mod multiplies an update by num_examples / max_weight before clipping it to the
+    clipping range, and above 1 only warns (flwr/client/mod/secure_aggregation/secaggplus_mod.py):
+    our client caps its count at max_weight, so every client here (40 examples, max_weight 20)
+    weighs 20, no update is scaled past the range, and the result is the plain FedAvg of these
+    equal-count clients within quantization. Uncapped, each update was doubled and clipped."""
+    art, data = setup
+    plain = run_federation(NodeGrid(client_app(art, data), CLIENTS), art, settings())
+    updates = client_updates(art, data, settings())
+    largest = max(float(np.abs(d).max()) for u in updates.values() for d in u.values())
+    s = settings(enabled=True, num_shares=3, reconstruction_threshold=2, clipping_range=1.05 * largest, max_weight=20.0)
+    assert all(len(data(c).y) > s.secagg.max_weight for c in range(CLIENTS))
+    secure = run_federation(NodeGrid(client_app(art, data), CLIENTS), art, s)
+    step = 2 * s.secagg.clipping_range / s.secagg.quantization_range
+    tolerance = CLIENTS * step / CLIENTS + 1e-6  # each client's weight is max_weight / max_weight = 1
+    start = initial_parameters(art)
+    assert max(float(np.abs(plain.parameters[k] - start[k]).max()) for k in start) > 1000 * tolerance
+    for k in start:
+        np.testing.assert_allclose(secure.parameters[k], plain.parameters[k], rtol=0, atol=tolerance, err_msg=k)

@@ -10,7 +10,7 @@ import pytest
 from odt_ops import artifacts
 from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import load_checkpoint
-from odt_ops.export import ModelDiffError, aggregate, apply_diff, load_diff, model_diff, save_diff
+from odt_ops.export import ModelDiff, ModelDiffError, aggregate, apply_diff, load_diff, model_diff, save_diff
 from tests.odt_ops.models import classification_data, cnn
 
 
@@ -113,3 +113,109 @@ def test_diff_refuses_what_does_not_fit(trained, tmp_path):
         other = model_diff(base, d / "trained")
         other.base_hash = "0" * 64
         aggregate([diff, other])
+
+
+# ---- forged example counts (audit: num_examples = 10**400 raised OverflowError, two of 10**308 averaged to zeros) ----
+FORGED_COUNTS = [10**400, 10**308, 2**53 + 1, -1, 1.5, 1e308, float("inf"), "7", True, None, [3]]
+
+
+def _tiny(n, value, base_hash="h" * 64):
+    return ModelDiff({"w": np.full((2, 3), value, np.float32), "b": np.arange(3, dtype=np.float32) * value}, base_hash, n)
+
+
+def _forge_file(path, **header):
+    """A model difference file whose manifest says what a forger wants (the writer does not check it)."""
+    from odt_ops.export import DIFF_FORMAT, DIFF_VERSION
+    from odt_ops.tensorfile import write_tensor_file
+
+    header = {"base_hash": "h" * 64, "num_examples": 3, "num_steps": 1, "metadata": {}, **header}
+    write_tensor_file(path, DIFF_FORMAT, DIFF_VERSION, header, [({"name": "w"}, np.ones((2, 3), np.float32))], ModelDiffError)
+
+
+@pytest.mark.parametrize("key", ["num_examples", "num_steps"])
+@pytest.mark.parametrize("value", FORGED_COUNTS, ids=lambda v: repr(v)[:24])
+def test_load_diff_refuses_a_forged_count_naming_the_file_and_key(tmp_path, key, value):
+    path = tmp_path / "forged.odtdiff"
+    _forge_file(path, **{key: value})
+    with pytest.raises(ModelDiffError) as info:
+        load_diff(path)
+    assert str(path) in str(info.value) and key in str(info.value), info.value
+
+
+def test_load_diff_takes_counts_up_to_2_53(tmp_path):
+    path = tmp_path / "big.odtdiff"
+    _forge_file(path, num_examples=2**53, num_steps=0)
+    assert load_diff(path).num_examples == 2**53
+    from odt_ops.export import MAX_COUNT
+
+    assert MAX_COUNT == 2**53 and float(MAX_COUNT) == MAX_COUNT and float(MAX_COUNT - 1) == MAX_COUNT - 1  # exact in float64
+
+
+@pytest.mark.parametrize("value", FORGED_COUNTS, ids=lambda v: repr(v)[:24])
+def test_model_diff_and_save_diff_refuse_a_bad_count(trained, tmp_path, value):
+    d, *_ = trained
+    with pytest.raises(ModelDiffError, match=r"model_diff: num_examples"):
+        model_diff(d / "checkpoint", d / "trained", num_examples=value)
+    diff = model_diff(d / "checkpoint", d / "trained", num_examples=3)
+    diff.num_examples = value
+    with pytest.raises(ModelDiffError, match="num_examples"):
+        save_diff(diff, tmp_path / "u.odtdiff")
+    assert not (tmp_path / "u.odtdiff").exists()  # nothing written that load_diff would refuse
+
+
+def test_aggregate_refuses_the_audits_forged_counts():
+    # before: builtins.OverflowError: int too large to convert to float
+    with pytest.raises(ModelDiffError, match=r"aggregate: difference 0: num_examples is about 10\*\*400"):
+        aggregate([_tiny(10**400, 1.0), _tiny(1, 2.0)])
+    # before: the weights summed to inf, every weight became 0 and the aggregate came back all zeros, no error
+    with pytest.raises(ModelDiffError, match=r"aggregate: difference 1: num_examples"):
+        aggregate([_tiny(5, 1.0), _tiny(10**308, 3.0)])
+    # each count legal, their sum not: refused, naming the counts
+    with pytest.raises(ModelDiffError, match=r"sum to 18014398509481984, more than 2\*\*53"):
+        aggregate([_tiny(2**53, 1.0), _tiny(2**53, 3.0)])
+    with pytest.raises(ModelDiffError, match=r"difference\(s\) \[1\] claim 0 training examples"):
+        aggregate([_tiny(5, 1.0), _tiny(0, 3.0)])  # before: difference 1 silently left out
+    with pytest.raises(ModelDiffError, match="weights=\\[1\\] \\* 2"):
+        aggregate([_tiny(0, 1.0), _tiny(0, 3.0)])
+    with pytest.raises(ModelDiffError, match=r"aggregate: difference 1: \['w', 'b'\] hold NaN"):
+        aggregate([_tiny(5, 1.0), _tiny(5, np.nan)])
+
+
+def _oracle(diffs, weights):
+    """sum_i w_i d_i / sum_i w_i, by hand: exact fractions for the weights, float64 for the sum."""
+    from fractions import Fraction
+
+    fw = [Fraction(w) for w in weights]
+    total = sum(fw)
+    factors = [float(w / total) for w in fw]
+    return {n: sum(f * d.deltas[n].astype(np.float64) for f, d in zip(factors, diffs)) for n in diffs[0].deltas}
+
+
+def test_aggregate_with_huge_legal_counts_equals_the_float64_oracle():
+    counts = [2**52, 2**52 - 7, 7]  # sum exactly 2**53
+    diffs = [_tiny(n, v) for n, v in zip(counts, (1.0, -3.0, 1000.0))]
+    avg = aggregate(diffs)
+    assert avg.num_examples == 2**53
+    for n, expected in _oracle(diffs, counts).items():
+        np.testing.assert_allclose(avg.deltas[n], expected.astype(np.float32), rtol=1e-6, atol=0)
+    assert np.all(avg.deltas["w"] != 0)
+
+
+def test_explicit_weights_near_float64s_limits_equal_the_oracle():
+    diffs = [_tiny(1, v) for v in (1.0, 3.0, 5.0)]
+    for weights in ([1e308, 1e308, 1e292], [5e-324, 5e-324, 1e-323], [1.7e308, 0, 1.7e308]):
+        # before: [1e308, 1e308, ...] summed to inf and the aggregate was all zeros
+        avg = aggregate(diffs, weights)
+        for n, expected in _oracle(diffs, weights).items():
+            np.testing.assert_allclose(avg.deltas[n], expected.astype(np.float32), rtol=1e-6, atol=0)
+        assert np.all(avg.deltas["w"] != 0)
+
+
+@pytest.mark.parametrize("weights, match", [
+    ([1, float("nan"), 1], r"weights\[1\] is nan"), ([1, 1, float("inf")], r"weights\[2\] is inf"),
+    ([1, -1, 1], r"weights\[1\] is -1"), ([1, 10**400, 1], r"weights\[1\] is 1000"), ([True, 1, 1], r"weights\[0\] is True"),
+    (["1", 1, 1], r"weights\[0\] is '1'"), ([0, 0, 0], "sum to 0"), ([1, 1], "must be 3 numbers"), ("abc", "must be 3 numbers"),
+])
+def test_aggregate_refuses_bad_weights_naming_them(weights, match):
+    with pytest.raises(ModelDiffError, match=match):
+        aggregate([_tiny(1, v) for v in (1.0, 3.0, 5.0)], weights)
