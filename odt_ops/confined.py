@@ -29,15 +29,22 @@ def resolve_inside(folder: str | os.PathLike, location: str, error: type[OdtErro
 
 def open_regular(path: str | os.PathLike, error: type[OdtError], what: str) -> BinaryIO:
     """``path`` opened for reading, without following a symlink at its end and without blocking
-    on a FIFO; ``error`` unless it is a regular file."""
+    on a FIFO; ``error`` (saying what the file is) unless it is a regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise error(f"{what}: {os.fspath(path)!r} is missing; keep it next to the file that names it") from None
     except OSError as exc:
         raise error(f"{what}: cannot open {os.fspath(path)!r}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise error(f"{what}: {os.fspath(path)!r} is not a regular file (a directory, device, FIFO or socket); "
-                    "refusing to read it")
+        raise error(f"{what}: {os.fspath(path)!r} is {file_kind(mode)}, not a regular file; refusing to read it")
     return os.fdopen(fd, "rb")
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for a message: 'a folder', 'a FIFO (named pipe)', ..."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((text for test, text in kinds if test(mode)), "a special file")

@@ -7,6 +7,7 @@ that walks the properties sees only its own.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from odt_ops.checkpoint.state import ENGINE_RNG, LEGACY_ENGINE_PROPERTIES, Checkpoint, OptimizerState
 from odt_ops.errors import CheckpointError, OdtError
-from odt_ops.tensorfile import read_tensor_file, write_tensor_file
+from odt_ops.tensorfile import checked_shape, numeric_dtype, read_tensor_file, write_tensor_file
 
 FORMAT = "odt-checkpoint"
 FORMAT_VERSION = 1
@@ -72,11 +73,11 @@ def _from_manifest(manifest: dict, tensors: list, path) -> Checkpoint:
     _check_rng_state(ckpt.engine, path)
     opt = manifest.get("optimizer")
     if opt is not None:
-        ckpt.optimizer = OptimizerState(int(opt["step"]), float(opt["learning_rate"]), float(opt["initial_learning_rate"]))
+        ckpt.optimizer = _optimizer_scalars(opt, path)
     for entry, array in tensors:
         name, kind = entry["name"], entry.get("kind")
         if "spec" in entry:
-            ckpt.specs[name] = (tuple(entry["spec"]["shape"]), np.dtype(entry["spec"]["dtype"]).str)
+            ckpt.specs[name] = _spec(entry["spec"], name, path)
             ckpt.missing.add(name)
         if kind == "parameter":
             ckpt.parameters[name] = array
@@ -90,6 +91,50 @@ def _from_manifest(manifest: dict, tensors: list, path) -> Checkpoint:
     if ckpt.optimizer is not None:
         _check_optimizer_states(ckpt, path)
     return ckpt
+
+
+# a step count is stored as int64 wherever it is used (the optimizer model's step input)
+MAX_STEP = 2**63 - 1
+
+
+def _optimizer_scalars(opt: object, path) -> OptimizerState:
+    """The optimizer's step and learning rates, as the Python API would accept them
+    (odt_ops.api.optimizer.checked_learning_rate): a NaN, infinite or negative rate would make
+    every parameter NaN (or climb the loss) at the first step, in silence."""
+    if not isinstance(opt, dict):
+        raise CheckpointError(f"{path}: the manifest's 'optimizer' is a {type(opt).__name__}, not a mapping; the file is damaged")
+    step = opt.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise CheckpointError(f"{path}: optimizer.step is {_shown(opt, 'step')}; a step count is an integer from 0 to "
+                              "2**63 - 1: the file is damaged")
+    rates = []
+    for key in ("learning_rate", "initial_learning_rate"):
+        value = opt.get(key)
+        try:
+            rate = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        except OverflowError:  # an integer past float's range
+            rate = math.inf
+        if not math.isfinite(rate) or rate < 0:
+            raise CheckpointError(f"{path}: optimizer.{key} is {_shown(opt, key)}; a learning rate is a finite number "
+                                  ">= 0 (the first step would turn every parameter NaN or climb the loss): the file is damaged")
+        rates.append(rate)
+    return OptimizerState(step, rates[0], rates[1])
+
+
+def _shown(mapping: Mapping, key: str) -> str:
+    if key not in mapping:
+        return "missing"
+    text = repr(mapping[key])
+    return text if len(text) <= 40 else text[:36] + "..."
+
+
+def _spec(spec: object, name: str, path) -> tuple[tuple[int, ...], str]:
+    """A nominal parameter's declared shape and dtype, checked before anything is made of that size."""
+    dtype = numeric_dtype(spec.get("dtype")) if isinstance(spec, dict) else None
+    if dtype is None or not isinstance(spec, dict):
+        raise CheckpointError(f"{path}: parameter {name!r} has no values and its spec {str(spec)[:80]} names no numeric "
+                              "dtype; the file is damaged")
+    return checked_shape(spec.get("shape"), dtype, CheckpointError, f"{path}: parameter {name!r}"), dtype.str
 
 
 def _check_optimizer_states(ckpt: Checkpoint, path) -> None:

@@ -36,7 +36,8 @@ import numpy as np
 from odt_ops import confined
 from odt_ops.checkpoint.flatbuffer import Buffer, Malformed, Table
 from odt_ops.checkpoint.state import Checkpoint, OptimizerState
-from odt_ops.errors import CheckpointError
+from odt_ops.errors import CheckpointError, OdtError
+from odt_ops.tensorfile import checked_shape, open_input
 
 IDENTIFIER = b"ODTC"
 EXTERNAL_DATA_SUFFIX = ".data"
@@ -47,19 +48,29 @@ KNOWN_VERSIONS = range(1, 3)
 # tests/odt_ops/test_ort_import.py holds them equal to odt_ops.onnxblock.optim.AdamW's state_names)
 ORT_STATE_NAMES = {"momentum0": "exp_avg", "momentum1": "exp_avg_sq"}
 
+# FlatBuffers' own limit (32-bit offsets): ONNX Runtime moves tensors into the .data file to stay
+# below it, so no checkpoint file of its is larger; the file's size is checked before it is read
+MAX_CHECKPOINT_BYTES = 2**31 - 1
+
 # TensorProto data types that map to a numpy dtype (little-endian, as ONNX Runtime writes them)
 _DTYPES = {1: "<f4", 2: "u1", 3: "i1", 4: "<u2", 5: "<i2", 6: "<i4", 7: "<i8", 9: "?", 10: "<f2", 11: "<f8",
            12: "<u4", 13: "<u8", 14: "<c8", 15: "<c16"}
 
 
 def is_ort_checkpoint(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a file carrying ONNX Runtime's checkpoint identifier."""
+    """True when ``path`` is a regular file carrying ONNX Runtime's checkpoint identifier (a
+    FIFO, a device or a folder is not: it is refused unread, never waited on)."""
     try:
-        with open(path, "rb") as f:
+        with open_input(path, CheckpointError, "checkpoint") as f:
             head = f.read(8)
-    except OSError:
+    except (OdtError, OSError):
         return False
-    return len(head) == 8 and head[4:8] == IDENTIFIER
+    return is_ort_header(head)
+
+
+def is_ort_header(head: bytes) -> bool:
+    """True when a file's first 8 bytes carry ONNX Runtime's checkpoint identifier."""
+    return len(head) >= 8 and head[4:8] == IDENTIFIER
 
 
 def read_ort_checkpoint(path: str | os.PathLike, shapes: Mapping[str, Sequence[int] | None] | None = None) -> Checkpoint:
@@ -67,15 +78,23 @@ def read_ort_checkpoint(path: str | os.PathLike, shapes: Mapping[str, Sequence[i
 
     ONNX Runtime writes a nominal checkpoint's tensors without their shapes; ``shapes``
     (e.g. the static shapes of the eval model's parameter inputs) gives them. Without it a
-    nominal parameter's spec has the shape the file records, which is ``()``."""
+    nominal parameter's spec has the shape the file records, which is ``()``.
+
+    Only a regular file is read (a FIFO would block forever, /dev/zero never end), and only
+    after its size is known to be one a FlatBuffer can have."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"{path}: a directory; ONNX Runtime's checkpoint (1.14 and later) is one FlatBuffer file, "
                               "e.g. ARTIFACT_DIR/checkpoint (the protobuf directories of earlier releases are not read)")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read the ONNX Runtime checkpoint: {exc.strerror or exc}") from None
+    with open_input(path, CheckpointError, "ONNX Runtime checkpoint") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_CHECKPOINT_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes, more than an ONNX Runtime checkpoint can hold ({MAX_CHECKPOINT_BYTES}, "
+                                  "FlatBuffers' limit; larger ones keep their tensors in a .data file); refused unread")
+        try:
+            data = f.read(size)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read the ONNX Runtime checkpoint: {exc.strerror or exc}") from None
     return parse_ort_checkpoint(data, str(path), external_data=path.with_name(path.name + EXTERNAL_DATA_SUFFIX), shapes=shapes)
 
 
@@ -86,6 +105,8 @@ def parse_ort_checkpoint(data: bytes, source: str = "<ONNX Runtime checkpoint>",
     reader = _Reader(source, external_data)
     try:
         ckpt = reader.checkpoint(Buffer(data))
+    except CheckpointError:  # already names the file and the fault (e.g. a refused .data file); said once
+        raise
     except Malformed as exc:
         raise CheckpointError(f"{source}: not a valid ONNX Runtime checkpoint: {exc}") from None
     except (struct.error, IndexError, ValueError, OverflowError, UnicodeDecodeError) as exc:  # a check this reader lacks
@@ -95,7 +116,9 @@ def parse_ort_checkpoint(data: bytes, source: str = "<ONNX Runtime checkpoint>",
     for name in ckpt.missing:
         shape = (shapes or {}).get(name)
         if shape is not None and ckpt.specs[name][0] == ():  # the file's own shape, where it has one, stands
-            ckpt.specs[name] = (tuple(int(d) for d in shape), ckpt.specs[name][1])
+            dtype = np.dtype(ckpt.specs[name][1])
+            where = f"{source}: parameter {name!r} (its shape from the eval model)"
+            ckpt.specs[name] = (checked_shape(tuple(shape), dtype, CheckpointError, where), dtype.str)
     return ckpt
 
 
@@ -150,12 +173,14 @@ class _Reader:
                     ckpt.missing.add(name)
 
     def optimizer_group(self, group: Table, ckpt: Checkpoint) -> OptimizerState:
+        # as the Python API refuses them (checked_learning_rate): training from a NaN, infinite or
+        # negative rate would turn every parameter NaN (or climb the loss) at the first step
         step = group.i64(1, "step")
         if step < 0:
-            raise Malformed(f"optimizer step {step} is negative")
+            raise Malformed(f"the optimizer group's step is {step}; a step count is >= 0")
         lr = group.f32(2, "initial_learning_rate")
-        if not math.isfinite(lr):
-            raise Malformed(f"initial learning rate {lr} is not finite")
+        if not math.isfinite(lr) or lr < 0:
+            raise Malformed(f"the optimizer group's initial_learning_rate is {lr}; a learning rate is a finite number >= 0")
         state = OptimizerState(step=step, learning_rate=lr, initial_learning_rate=lr)
         for entry in group.tables(3, "optimizer_states") or []:
             param = entry.string(0, "param_name")
@@ -212,7 +237,7 @@ class _Reader:
         if code not in _DTYPES:
             raise Malformed(f"tensor {name!r} has data type {code}, which odt_ops cannot hold (numeric types only)")
         dtype = np.dtype(_DTYPES[code])
-        shape = tuple(dims)
+        shape = checked_shape(dims, dtype, Malformed, f"tensor {name!r}")
         nbytes = math.prod(shape) * dtype.itemsize
         raw = t.bytes(4, "raw_data")
         offset = t.i64(6, "external_data_offset", -1)

@@ -28,6 +28,7 @@ import onnx
 
 from odt_ops import confined
 from odt_ops.errors import ModelLoadError
+from odt_ops.tensorfile import checked_shape
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,12 @@ def tensor_dtype(tensor: onnx.TensorProto, source: str) -> np.dtype:
     return np.dtype(dtype)
 
 
-def tensor_shape(tensor: onnx.TensorProto, source: str) -> tuple[int, ...]:
+def tensor_shape(tensor: onnx.TensorProto, source: str, dtype: np.dtype) -> tuple[int, ...]:
+    """The tensor's dims, or ModelLoadError naming it unless numpy can hold them (non-negative, at
+    most 32, within 1 TiB of ``dtype`` even when one is 0): checked before anything is mapped or made."""
     if any(d < 0 for d in tensor.dims):
         raise ModelLoadError(f"{source}: tensor {tensor.name!r} has negative dims {list(tensor.dims)}; the file is damaged")
-    return tuple(int(d) for d in tensor.dims)
+    return checked_shape(tuple(tensor.dims), dtype, ModelLoadError, f"{source}: tensor {tensor.name!r}")
 
 
 def resolve(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> ExternalRef:
@@ -72,10 +75,11 @@ def resolve(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> Exte
     real = confined.resolve_inside(base_dir, location, ModelLoadError, f"{source}: external data of initializer {name!r}")
     offset = _count(info.get("offset", "0"), "offset", name, source) or 0  # absent: the file's start
     length = _count(info.get("length"), "length", name, source)
-    dtype, shape = tensor_dtype(tensor, source), tensor_shape(tensor, source)
+    dtype = tensor_dtype(tensor, source)
     if dtype.hasobject:
         raise ModelLoadError(f"{source}: initializer {name!r} is a string tensor with external data; odt_ops reads "
                              "only numeric external data")
+    shape = tensor_shape(tensor, source, dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if length is not None and length != nbytes:
         raise ModelLoadError(f"{source}: external data of initializer {name!r} declares length {length}, its "
@@ -95,7 +99,8 @@ def _count(text: str | None, key: str, name: str, source: str) -> int | None:
 def map_external(tensor: onnx.TensorProto, base_dir: str | None, source: str) -> np.ndarray:
     """The tensor's external bytes, memory-mapped read-only (vetted by ``resolve`` first)."""
     ref = resolve(tensor, base_dir, source)
-    dtype, shape = tensor_dtype(tensor, source), tensor_shape(tensor, source)
+    dtype = tensor_dtype(tensor, source)
+    shape = tensor_shape(tensor, source, dtype)
     with confined.open_regular(ref.path, ModelLoadError, f"{source}: external data of initializer {tensor.name!r}") as f:
         size = os.fstat(f.fileno()).st_size
         if ref.offset + ref.nbytes > size:

@@ -1,14 +1,20 @@
 """Checkpoint files: exact round trips, nominal checkpoints, and every way a file can be bad."""
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
+import signal
+import tracemalloc
 import zipfile
 
 import numpy as np
 import pytest
 
+from odt_ops.api import CheckpointState
 from odt_ops.checkpoint import Checkpoint, OptimizerState, check_matches, load_checkpoint, save_checkpoint
-from odt_ops.errors import CheckpointError
+from odt_ops.errors import CheckpointError, CheckpointFileNotFoundError
 
 RNG = np.random.default_rng(0)
 
@@ -136,3 +142,106 @@ def test_mismatch_names_every_parameter(tmp_path):
     assert "fc.bias" in text
     assert "missing" in text
     assert "artifacts/checkpoint" in text
+
+
+# ------------------------------------------------------------------------------------------- what is not a checkpoint file
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail instead of hanging: SIGALRM interrupts a blocking open() or read() (a FIFO's)."""
+    def expired(signum, frame):
+        pytest.fail(f"still running after {seconds} s: the read blocks", pytrace=False)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _not_a_file(tmp_path, kind: str):
+    """(path, what the message must say): paths a user (or a script) may hand over as a checkpoint."""
+    path = tmp_path / "ckpt"
+    if kind == "fifo":  # a plain open() of it blocks until a writer comes: forever
+        os.mkfifo(path)
+        return path, "a FIFO (named pipe), not a regular file: refused unread"
+    if kind == "symlink to /dev/zero":  # a plain read of it never ends: memory runs out
+        os.symlink("/dev/zero", path)
+        return path, "a character device, not a regular file: refused unread"
+    if kind == "/dev/zero":
+        return "/dev/zero", "a character device, not a regular file: refused unread"
+    if kind == "folder":
+        path.mkdir()
+        return path, "a folder, not a checkpoint file; name the checkpoint file in it"
+    return path, "no such checkpoint file"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink to /dev/zero", "/dev/zero", "folder", "missing"])
+@pytest.mark.parametrize("load", [load_checkpoint, CheckpointState.load_checkpoint], ids=["load_checkpoint", "CheckpointState"])
+def test_a_fifo_a_device_or_a_folder_is_named_for_what_it_is_unread(tmp_path, kind, load):
+    path, says = _not_a_file(tmp_path, kind)
+    tracemalloc.start()
+    try:
+        with deadline(20), pytest.raises(CheckpointError) as info:
+            load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(info.value) == f"{path}: {says}" + ("; give the path of the checkpoint file itself" if "unread" in says else "")
+    assert isinstance(info.value, CheckpointFileNotFoundError) == (kind == "missing")
+    assert peak < 8 << 20, f"allocated {peak >> 20} MiB"
+
+
+def test_a_symlink_to_a_checkpoint_is_followed(tmp_path):
+    """A user's own path may be a symlink (DVC links its cache so): it is read when it leads to a file."""
+    ckpt = sample()
+    save_checkpoint(ckpt, tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    np.testing.assert_array_equal(load_checkpoint(tmp_path / "link").parameters["emb"], ckpt.parameters["emb"])
+
+
+# ------------------------------------------------------------------------------------------- optimizer scalars
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("learning_rate", math.nan, "optimizer.learning_rate is nan"),
+    ("learning_rate", -1e-3, "optimizer.learning_rate is -0.001"),
+    ("learning_rate", "0.1", "optimizer.learning_rate is '0.1'"),
+    ("learning_rate", True, "optimizer.learning_rate is True"),
+    ("learning_rate", 10**400, f"optimizer.learning_rate is {'1' + '0' * 35}..."),  # past float's range
+    ("initial_learning_rate", math.inf, "optimizer.initial_learning_rate is inf"),
+    ("initial_learning_rate", None, "optimizer.initial_learning_rate is None"),
+    ("step", -5, "optimizer.step is -5"),
+    ("step", 2.5, "optimizer.step is 2.5"),
+    ("step", 2**63, f"optimizer.step is {2**63}"),
+    ("step", False, "optimizer.step is False"),
+], ids=lambda v: str(v)[:12])
+def test_bad_optimizer_scalars_are_refused_naming_the_file_and_key(tmp_path, key, value, says):
+    """A NaN learning rate loaded silently made every parameter NaN at the first Optimizer.step();
+    the Python API refuses such a rate (checked_learning_rate), and so does the checkpoint loader."""
+    save_checkpoint(sample(), tmp_path / "ckpt")
+    _rewrite_manifest(tmp_path / "ckpt", tmp_path / "bad", lambda m: m["optimizer"].update({key: value}))
+    for load in (load_checkpoint, CheckpointState.load_checkpoint):
+        with pytest.raises(CheckpointError) as info:
+            load(tmp_path / "bad")
+        text = str(info.value)
+        assert text.startswith(f"{tmp_path / 'bad'}: {says}; "), text
+        assert ("a learning rate is a finite number >= 0" if "rate" in key else "a step count is an integer from 0") in text
+
+
+def test_a_missing_optimizer_scalar_is_named(tmp_path):
+    save_checkpoint(sample(), tmp_path / "ckpt")
+    _rewrite_manifest(tmp_path / "ckpt", tmp_path / "bad", lambda m: m["optimizer"].pop("step"))
+    with pytest.raises(CheckpointError, match=r"bad: optimizer.step is missing; a step count"):
+        load_checkpoint(tmp_path / "bad")
+
+
+def test_a_zero_learning_rate_and_step_still_load(tmp_path):
+    ckpt = sample()
+    ckpt.optimizer.step, ckpt.optimizer.learning_rate, ckpt.optimizer.initial_learning_rate = 0, 0.0, 0.0
+    save_checkpoint(ckpt, tmp_path / "ckpt")
+    opt = load_checkpoint(tmp_path / "ckpt").optimizer
+    assert (opt.step, opt.learning_rate, opt.initial_learning_rate) == (0, 0.0, 0.0)

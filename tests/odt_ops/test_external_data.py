@@ -105,6 +105,24 @@ def test_directories_devices_and_fifos_are_refused(layout, kind):
     _load_refused(folder, "not a regular file" if kind != "device" else "leads outside the folder")
 
 
+@pytest.mark.parametrize("dims", [[0, 2**63 - 1], [2**40, 0, 2**40]], ids=["0x2**63-1", "2**40x0x2**40"])
+def test_an_empty_external_tensor_with_a_huge_dimension_is_a_model_load_error(layout, dims):
+    """It holds no bytes, so length 0 and an empty data file agree with it; numpy cannot make even an
+    empty array of that shape ("array is too big"), which used to escape from Module and load_model."""
+    folder, _ = layout
+    (folder / "w.bin").write_bytes(b"")
+    w = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=dims)
+    w.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in {"location": "w.bin", "offset": "0", "length": "0"}.items():
+        w.external_data.add(key=key, value=value)
+    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    (folder / "model.onnx").write_bytes(model.SerializeToString())
+    _load_refused(folder, r"tensor 'w': shape \[.*\] of float32 spans more than 2\*\*40 bytes \(it holds no values, yet numpy "
+                          "cannot even make it empty\); no real tensor is that large: the file is damaged")
+
+
 @pytest.mark.parametrize("key,value", [("offset", "abc"), ("offset", "-4"), ("offset", "1e3"), ("offset", "9" * 30),
                                        ("length", "12"), ("length", "x"), ("offset", "4")])
 def test_bad_offsets_and_lengths_are_model_load_errors(layout, key, value):
@@ -165,6 +183,28 @@ def test_an_artifact_constant_with_external_data_is_not_read_from_the_working_di
     with watching() as opened, pytest.raises(ModelLoadError, match="const.bin"):
         Module(d / "training_model.onnx", state, d / "eval_model.onnx")
     assert not outside(opened, d), outside(opened, d)
+
+
+def test_module_refuses_an_empty_external_constant_with_a_huge_dimension(tmp_path):
+    from tests.odt_ops.models import mlp
+
+    d = tmp_path / "artifacts"
+    artifacts.generate_artifacts(mlp((6, 5, 3)), requires_grad=["fc*"], loss=artifacts.LossType.CrossEntropyLoss,
+                               optimizer=artifacts.OptimType.AdamW, artifact_directory=d, opset=21)
+    proto = onnx.load(d / "training_model.onnx")
+    tensor = onnx.TensorProto(name="empty_constant", data_type=onnx.TensorProto.FLOAT, dims=[0, 2**63 - 1])
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in {"location": "empty.bin", "offset": "0", "length": "0"}.items():
+        tensor.external_data.add(key=key, value=value)
+    proto.graph.initializer.append(tensor)
+    onnx.save(proto, d / "training_model.onnx")
+    (d / "empty.bin").write_bytes(b"")
+    state = CheckpointState.load_checkpoint(d / "checkpoint")
+    with pytest.raises(ModelLoadError) as info:
+        Module(d / "training_model.onnx", state, d / "eval_model.onnx")
+    assert str(info.value) == (f"{d / 'training_model.onnx'}: tensor 'empty_constant': shape [0, {2**63 - 1}] of float32 spans "
+                               "more than 2**40 bytes (it holds no values, yet numpy cannot even make it empty); no real "
+                               "tensor is that large: the file is damaged")
 
 
 @pytest.mark.parametrize("kind", ["symlink out", "directory"])

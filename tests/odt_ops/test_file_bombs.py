@@ -17,7 +17,7 @@ import pytest
 
 from odt_ops.checkpoint import Checkpoint, OptimizerState, load_checkpoint, save_checkpoint
 from odt_ops.errors import CheckpointError, ModelDiffError, OdtError
-from odt_ops.export import ModelDiff, load_diff, save_diff
+from odt_ops.export import ModelDiff, apply_diff, load_diff, save_diff
 from tests.odt_ops.fuzz import zipcraft
 
 MANIFEST_BOMB = int(2.5 * 2**30)  # the size in issue 20
@@ -108,6 +108,42 @@ def test_an_npy_header_declaring_2_to_the_40_elements_is_refused_before_mapping(
     members = [zipcraft.Member("t0.npy", _npy((2**40,), b"\0" * 64)) if m.name == "t0.npy" else m for m in members]
     path.write_bytes(zipcraft.build(members))
     _refused_fast(read, path, error)
+
+
+@pytest.mark.parametrize("shape", [(0, 2**63 - 1), (0, 10**30), (2**40, 0, 2**40)], ids=["0x2**63-1", "0x10**30", "2**40x0x2**40"])
+def test_an_empty_tensor_with_a_huge_dimension_is_refused_before_numpy_sees_it(original, shape):
+    """No values, so the member's size matches (0 bytes of data); numpy refuses to make even an empty
+    array with such a dimension ("array is too big", "Maximum allowed dimension exceeded")."""
+    path, read, error = original
+    members = zipcraft.read_members(path.read_bytes())
+    manifest = json.loads(next(m.data for m in members if m.name == "manifest.json"))
+    manifest["tensors"][0].update(shape=list(shape), dtype="<f4")  # the manifest agrees with the header
+    members = [zipcraft.Member(m.name, json.dumps(manifest).encode()) if m.name == "manifest.json"
+               else zipcraft.Member("t0.npy", _npy(shape, b"")) if m.name == "t0.npy" else m for m in members]
+    path.write_bytes(zipcraft.build(members))
+    text = _refused_fast(read, path, error)
+    assert f"{path}: tensor {manifest['tensors'][0]['name']!r}: shape [" in text
+    assert "spans more than 2**40 bytes (it holds no values, yet numpy cannot even make it empty)" in text
+    if error is ModelDiffError:  # applying it reads it the same way
+        base = _checkpoint(False)
+        _refused_fast(lambda p: apply_diff(base, p), path, error)
+
+
+def test_a_nominal_parameter_declaring_a_huge_shape_is_refused(tmp_path):
+    """A nominal checkpoint's parameters are a declared shape and dtype (a spec), made only when the
+    values are copied in: the declaration is checked on load."""
+    path = tmp_path / "nominal"
+    save_checkpoint(_checkpoint(True), path)
+    members = zipcraft.read_members(path.read_bytes())
+    manifest = json.loads(next(m.data for m in members if m.name == "manifest.json"))
+    specs = [e for e in manifest["tensors"] if "spec" in e]
+    for shape, says in (([0, 2**63 - 1], "spans more than 2**40 bytes"), ([-1, 3], "has a negative dimension"),
+                        (["4", 3], "is not a list of integers"), ([1] * 33, "33 dimensions")):
+        specs[0]["spec"]["shape"] = shape
+        path.write_bytes(zipcraft.build([zipcraft.Member(m.name, json.dumps(manifest).encode()) if m.name == "manifest.json"
+                                         else m for m in members]))
+        assert f"{path}: parameter {specs[0]['name']!r}: " in _refused_fast(load_checkpoint, path, CheckpointError)
+        assert says in _refused_fast(load_checkpoint, path, CheckpointError)
 
 
 @pytest.mark.parametrize("header", [b"{'descr': '<f4', 'fortran_order': False, 'shape': (((((((", b"[" * 5000,

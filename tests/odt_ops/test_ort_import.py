@@ -8,10 +8,17 @@ the same batches, must do the same to float32 rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
+import re
 import shutil
+import signal
+import struct
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +27,7 @@ import pytest
 from odt_ops.__main__ import main
 from odt_ops.api import CheckpointState, Module, Optimizer
 from odt_ops.checkpoint import load_checkpoint
+from odt_ops.checkpoint.flatbuffer import Buffer
 from odt_ops.checkpoint.ort import is_ort_checkpoint, parse_ort_checkpoint, read_ort_checkpoint
 from odt_ops.errors import ArtifactError, CheckpointError
 from odt_ops.ort_import.artifacts import import_ort_artifacts, read_ort_artifacts
@@ -375,3 +383,175 @@ def test_ort_adamw_moments_take_our_adamw_state_names():
 
     assert list(ORT_STATE_NAMES) == ["momentum0", "momentum1"]
     assert tuple(ORT_STATE_NAMES.values()) == optim.AdamW().state_names
+
+
+# ------------------------------------------------------------------------------------------- hostile checkpoint paths and fields
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail instead of hanging: SIGALRM interrupts a blocking open() or read() (a FIFO's)."""
+    def expired(signum, frame):
+        pytest.fail(f"still running after {seconds} s: the read blocks", pytrace=False)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def bounded_memory(limit: int):
+    tracemalloc.start()
+    try:
+        yield
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < limit, f"allocated {peak >> 20} MiB"
+
+
+def _cap_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def _cli_error(argv, capsys) -> str:
+    """The one line `odt import-ort` prints for a refused input (exit status 2, no traceback)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err[len("error: "):].rstrip("\n")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink to /dev/zero", "3 GiB file"])
+def test_a_fifo_a_device_or_an_oversized_checkpoint_is_refused_unread(tmp_path, kind, capsys):
+    """import-ort hung on a FIFO named checkpoint and read /dev/zero until memory ran out (2.69 GB,
+    then a MemoryError traceback): the checkpoint is opened only as a regular file, its size checked
+    before it is read."""
+    ort_dir = tmp_path / "ort"
+    shutil.copytree(FIXTURES / "mlp", ort_dir)
+    ckpt = ort_dir / "checkpoint"
+    if kind == "fifo":
+        ckpt.unlink()
+        os.mkfifo(ckpt)
+        says = f"{ckpt}: a FIFO (named pipe), not a regular file: refused unread; give the path of the ONNX Runtime checkpoint file itself"
+    elif kind == "symlink to /dev/zero":
+        ckpt.unlink()
+        os.symlink("/dev/zero", ckpt)
+        says = f"{ckpt}: a character device, not a regular file: refused unread; give the path of the ONNX Runtime checkpoint file itself"
+    else:  # a real ONNX Runtime header, then a hole: sparse, so it takes no disk
+        os.truncate(ckpt, 3 << 30)
+        says = (f"{ckpt}: {3 << 30} bytes, more than an ONNX Runtime checkpoint can hold (2147483647, FlatBuffers' limit; "
+                "larger ones keep their tensors in a .data file); refused unread")
+    # first as the audit ran it, in a process of its own with its memory capped: were the file read,
+    # /dev/zero would end only when memory runs out
+    proc = subprocess.run([sys.executable, "-m", "odt_ops", "import-ort", str(ort_dir), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, preexec_fn=_cap_memory,
+                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})  # few thread arenas
+    assert (proc.returncode, proc.stderr) == (2, f"error: {says}\n")
+    with deadline(30), bounded_memory(32 << 20):
+        assert not is_ort_checkpoint(ckpt) or kind == "3 GiB file"
+        with pytest.raises(CheckpointError) as info:
+            read_ort_checkpoint(ckpt)
+        assert str(info.value) == says
+        with pytest.raises(CheckpointError) as info:
+            CheckpointState.load_checkpoint(ckpt)
+        assert str(ckpt) in str(info.value) and "refused unread" in str(info.value)
+        assert _cli_error(["import-ort", str(ort_dir), str(tmp_path / "out")], capsys) == says
+        assert _cli_error(["import-ort", str(FIXTURES / "mlp"), str(tmp_path / "out"), "--checkpoint", str(ckpt)], capsys) == says
+    assert not (tmp_path / "out").exists()
+
+
+def _patched(tmp_path, patch, name: str = "mlp") -> Path:
+    """A copy of a fixture's artifact folder whose checkpoint bytes ``patch`` edited in place, as
+    with a hex editor: it gets the bytes and the checkpoint's root table, to find where a field lies."""
+    ort_dir = tmp_path / "ort"
+    shutil.copytree(FIXTURES / name, ort_dir)
+    data = bytearray((ort_dir / "checkpoint").read_bytes())
+    patch(data, Buffer(bytes(data)).root())
+    (ort_dir / "checkpoint").write_bytes(bytes(data))
+    return ort_dir
+
+
+def _set_group_scalar(field: str, value):
+    def patch(data: bytearray, root) -> None:
+        (group,) = root.tables(2, "optimizer_groups")
+        index, fmt = {"step": (1, "<q"), "initial_learning_rate": (2, "<f")}[field]
+        pos = group._field(index, struct.calcsize(fmt), field)
+        assert pos is not None, f"the fixture stores no {field}"
+        struct.pack_into(fmt, data, pos, value)
+    return patch
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("step", -5, "the optimizer group's step is -5; a step count is >= 0"),
+    ("initial_learning_rate", math.nan, "the optimizer group's initial_learning_rate is nan; a learning rate is a finite number >= 0"),
+    ("initial_learning_rate", math.inf, "the optimizer group's initial_learning_rate is inf; a learning rate is a finite number >= 0"),
+    ("initial_learning_rate", -0.5, "the optimizer group's initial_learning_rate is -0.5; a learning rate is a finite number >= 0"),
+])
+def test_bad_optimizer_scalars_in_an_onnx_runtime_checkpoint_are_refused(tmp_path, field, value, says, capsys):
+    ort_dir = _patched(tmp_path, _set_group_scalar(field, value))
+    ckpt = ort_dir / "checkpoint"
+    want = f"{ckpt}: not a valid ONNX Runtime checkpoint: {says}"
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(ckpt)
+    assert str(info.value) == want
+    assert _cli_error(["import-ort", str(ort_dir), str(tmp_path / "out")], capsys) == want
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_zero_learning_rate_in_an_onnx_runtime_checkpoint_is_read(tmp_path):
+    ort_dir = _patched(tmp_path, _set_group_scalar("initial_learning_rate", 0.0))
+    assert load_checkpoint(ort_dir / "checkpoint").optimizer.learning_rate == 0.0
+
+
+def test_an_empty_onnx_runtime_tensor_with_a_huge_dimension_is_refused(tmp_path, capsys):
+    """dims [0, 2**63 - 1] and no raw bytes: the byte count agrees (0), and numpy cannot make the array."""
+    patched: dict[str, str] = {}
+
+    def patch(data: bytearray, root) -> None:
+        params = root.table(1, "module_state").tables(0, "requires_grad_params")
+        tensor = next(t for t in params if len(t.int64s(2, "dims")) == 2)
+        dims, _ = tensor._vector(2, "dims", 8)
+        struct.pack_into("<qq", data, dims, 0, 2**63 - 1)
+        raw, _ = tensor._vector(4, "raw_data", 1)
+        struct.pack_into("<I", data, raw - 4, 0)  # the vector's length word: no bytes
+        patched["name"] = tensor.string(0, "name")
+
+    ort_dir = _patched(tmp_path, patch)
+    ckpt = ort_dir / "checkpoint"
+    want = (f"{ckpt}: not a valid ONNX Runtime checkpoint: tensor {patched['name']!r}: shape [0, {2**63 - 1}] of float32 spans "
+            "more than 2**40 bytes (it holds no values, yet numpy cannot even make it empty); no real tensor is that large: "
+            "the file is damaged")
+    with deadline(30), bounded_memory(32 << 20):
+        with pytest.raises(CheckpointError) as info:
+            CheckpointState.load_checkpoint(ckpt)
+        assert str(info.value) == want
+        assert _cli_error(["import-ort", str(ort_dir), str(tmp_path / "out")], capsys) == want
+
+
+@pytest.mark.parametrize("kind", ["symlink out", "fifo"])
+def test_a_refused_data_file_is_said_once(tmp_path, kind, capsys):
+    """The reader's own CheckpointError (a .data file leading out of the folder, or a FIFO) was
+    wrapped again: "not a valid ONNX Runtime checkpoint: CheckpointError: <the same file>: ..."."""
+    ort_dir = tmp_path / "ort"
+    shutil.copytree(FIXTURES / "mlp_external", ort_dir)
+    data = ort_dir / "checkpoint.data"
+    data.unlink()
+    if kind == "symlink out":
+        (tmp_path / "elsewhere").write_bytes((FIXTURES / "mlp_external" / "checkpoint.data").read_bytes())
+        os.symlink(tmp_path / "elsewhere", data)
+        tail = f"location 'checkpoint.data' leads outside the folder {ort_dir} (through a symlink); refusing to read it"
+    else:
+        os.mkfifo(data)
+        tail = f"{str(data)!r} is a FIFO (named pipe), not a regular file; refusing to read it"
+    with deadline(30):
+        text = _cli_error(["import-ort", str(ort_dir), str(tmp_path / "out")], capsys)
+    assert re.fullmatch(rf"{re.escape(str(ort_dir / 'checkpoint'))}: tensor '[^']+' is stored in the external data file "
+                        rf"{re.escape(str(data))}: {re.escape(tail)}", text), text
+    assert "CheckpointError" not in text and "not a valid" not in text
