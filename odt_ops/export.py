@@ -197,9 +197,9 @@ def aggregate(diffs: Sequence[ModelDiff], weights: Sequence[float] | None = None
     Refused with a ModelDiffError naming the input at fault, never averaged into a wrong
     result: differences of other bases, parameters, shapes or dtypes; non-finite values;
     counts that are not whole numbers in [0, 2**53] (see MAX_COUNT) or that sum past it;
-    with default weights, a difference that claims 0 examples (it would be left out without
-    a word; pass ``weights`` to weigh differences without counts); explicit weights that are
-    not finite numbers >= 0 with a positive sum."""
+    explicit weights that are not finite numbers >= 0 with a positive sum. By default each
+    difference weighs its example count, as FedAvg does, and all weigh the same when none has
+    a count."""
     if not diffs:
         raise ModelDiffError("aggregate needs at least one model difference")
     hashes = {d.base_hash for d in diffs}
@@ -219,12 +219,9 @@ def aggregate(diffs: Sequence[ModelDiff], weights: Sequence[float] | None = None
         raise ModelDiffError(f"aggregate: the differences' num_examples {counts} sum to {total}, more than 2**53 (exact in float64); "
                              "a count that large is forged or damaged: leave those differences out")
     if weights is None:
-        zero = [i for i, c in enumerate(counts) if c == 0]
-        if zero:
-            raise ModelDiffError(f"aggregate: difference(s) {zero} claim 0 training examples, so weighting by example count would "
-                                 "leave them out; set num_examples when making them (model_diff(..., num_examples=len(x))), "
-                                 f"or pass weights (weights=[1] * {len(diffs)} averages them equally)")
-        w = np.asarray(counts, dtype=np.float64)  # exact: every count and their sum are at most 2**53
+        # FedAvg: each difference weighs its example count (one with none weighs nothing); when
+        # no difference has a count (model_diff's default), they weigh the same
+        w = np.asarray(counts if total else [1] * len(diffs), dtype=np.float64)  # exact: counts and sum are at most 2**53
     else:
         w = _checked_weights(weights, len(diffs))
     w = w / w.sum()
