@@ -14,7 +14,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from odt_ops.checkpoint.flatbuffer import Buffer
 from odt_ops.checkpoint.ort import is_ort_checkpoint, parse_ort_checkpoint, read_ort_checkpoint
 from odt_ops.errors import ArtifactError, CheckpointError
 from odt_ops.ort_import.artifacts import import_ort_artifacts, read_ort_artifacts
+from tests.odt_ops.test_checkpoint import deadline
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "ort"
 NAMES = ("mlp", "cnn", "mlp_external")
@@ -386,21 +386,6 @@ def test_ort_adamw_moments_take_our_adamw_state_names():
 
 
 # ------------------------------------------------------------------------------------------- hostile checkpoint paths and fields
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging: SIGALRM interrupts a blocking open() or read() (a FIFO's)."""
-    def expired(signum, frame):
-        pytest.fail(f"still running after {seconds} s: the read blocks", pytrace=False)
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @contextlib.contextmanager
