@@ -24,6 +24,7 @@ from odt_ops.ir.load import read_model, save_model
 from odt_ops.ir.model import TARGET_IR_VERSION
 from odt_ops.ir.modes import set_inference_mode
 from odt_ops.ir.passes import prune_unused
+from odt_ops.scalars import as_real, finite_at_least_zero
 from odt_ops.tensorfile import read_tensor_file, write_tensor_file
 
 DIFF_FORMAT = "odt-model-diff"
@@ -237,12 +238,8 @@ def _checked_weights(weights: Sequence[float], n: int) -> np.ndarray:
         raise ModelDiffError(f"aggregate: weights must be {n} numbers, one per difference, got {weights!r:.200}")
     values = []
     for i, x in enumerate(weights):
-        ok = not isinstance(x, bool) and isinstance(x, numbers.Real)
-        try:
-            v = float(x) if ok else math.nan
-        except OverflowError:  # an int past float64's range
-            v = math.inf
-        if not (math.isfinite(v) and v >= 0):
+        v = as_real(x)
+        if v is None or not finite_at_least_zero(v):
             raise ModelDiffError(f"aggregate: weights[{i}] is {x!r:.60}; each weight must be a finite number >= 0")
         values.append(v)
     w = np.asarray(values, dtype=np.float64)

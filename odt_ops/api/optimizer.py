@@ -8,8 +8,6 @@ loading it later resumes exactly.
 """
 from __future__ import annotations
 
-import math
-import numbers
 import os
 
 import numpy as np
@@ -21,6 +19,7 @@ from odt_ops.checkpoint import OptimizerState
 from odt_ops.errors import ArgumentError, ArgumentTypeError, ArtifactError, CheckpointError
 from odt_ops.ir.load import read_model
 from odt_ops.onnxblock import optim
+from odt_ops.scalars import as_real, finite_at_least_zero
 
 DEFAULT_LR = 1e-3
 
@@ -44,12 +43,11 @@ def optimizer_from_metadata(data: dict, source: str) -> optim.Optimizer:
 def checked_learning_rate(learning_rate) -> float:
     """``learning_rate`` as a float, or a typed error naming it: a NaN, infinite or negative rate
     would turn every parameter non-finite or climb the loss at the next step, in silence."""
-    # numbers.Real takes Python and numpy floats and ints; bool is an int but never meant as a rate
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
+    rate = as_real(learning_rate)
+    if rate is None:
         raise ArgumentTypeError(f"set_learning_rate({learning_rate!r}): the learning rate is a number, "
                                 f"got {type(learning_rate).__name__}; pass a float such as 1e-3")
-    rate = float(learning_rate)
-    if not math.isfinite(rate) or rate < 0:
+    if not finite_at_least_zero(rate):
         raise ArgumentError(f"set_learning_rate({learning_rate!r}): the learning rate must be a finite number >= 0; "
                             "the optimizer state was left as it was")
     return rate

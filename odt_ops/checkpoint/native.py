@@ -7,7 +7,6 @@ that walks the properties sees only its own.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
 
@@ -15,6 +14,7 @@ import numpy as np
 
 from odt_ops.checkpoint.state import ENGINE_RNG, LEGACY_ENGINE_PROPERTIES, Checkpoint, OptimizerState
 from odt_ops.errors import CheckpointError, OdtError
+from odt_ops.scalars import as_real, finite_at_least_zero
 from odt_ops.tensorfile import checked_shape, numeric_dtype, read_tensor_file, write_tensor_file
 
 FORMAT = "odt-checkpoint"
@@ -109,15 +109,11 @@ def _optimizer_scalars(opt: object, path) -> OptimizerState:
                               "2**63 - 1: the file is damaged")
     rates = []
     for key in ("learning_rate", "initial_learning_rate"):
-        value = opt.get(key)
-        try:
-            rate = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-        except OverflowError:  # an integer past float's range
-            rate = math.inf
-        if not math.isfinite(rate) or rate < 0:
+        rate = as_real(opt.get(key))
+        if rate is None or not finite_at_least_zero(rate):
             raise CheckpointError(f"{path}: optimizer.{key} is {_shown(opt, key)}; a learning rate is a finite number "
                                   ">= 0 (the first step would turn every parameter NaN or climb the loss): the file is damaged")
-        rates.append(rate)
+        rates.append(rate)  # finite: checked just above
     return OptimizerState(step, rates[0], rates[1])
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from odt_ops.errors import ModelDiffError
 from odt_ops.export import ModelDiff, _fingerprint, check_count, diff_header, load_diff, save_diff
+from odt_ops.scalars import as_real
 from odt_ops.tensorfile import read_tensor_file, write_tensor_file
 
 ENCODINGS = ("float32", "float16", "int8")
@@ -160,26 +161,17 @@ def load_encoded(path: str | os.PathLike) -> EncodedDiff:
         raise ModelDiffError(f"{path}: unknown encoding {encoding!r}; the file is damaged")
     base_hash, num_examples, num_steps, metadata = diff_header(manifest, path)
     arrays = {e["name"]: np.array(a) for e, a in tensors}
-    scales = {e["name"]: _scale(e["scale"]) for e, _ in tensors if "scale" in e}
-    bad = [n for n, v in scales.items() if not math.isfinite(v)]
+    read = {e["name"]: as_real(e["scale"]) for e, _ in tensors if "scale" in e}
+    bad = [n for n, v in read.items() if v is None or not math.isfinite(v)]
     if bad:
         raise ModelDiffError(f"{path}: the int8 scales of {bad} are not finite numbers; the file is damaged")
+    scales = {n: float(v) for n, v in read.items() if v is not None}
     enc = EncodedDiff(encoding, arrays, base_hash, scales, num_examples, num_steps, metadata)
     try:
         decode_diff(enc)  # every tensor of the right dtype, finite, with its scale
     except ModelDiffError as exc:
         raise ModelDiffError(f"{path}: {exc}") from None
     return enc
-
-
-def _scale(value) -> float:
-    """A manifest's scale as a float (NaN for anything that is not a number in float64's range)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return math.nan
-    try:
-        return float(value)
-    except OverflowError:
-        return math.nan
 
 
 def clip_update(deltas: Mapping[str, np.ndarray], max_norm: float) -> tuple[dict[str, np.ndarray], float]:

@@ -22,7 +22,6 @@ for Flower.
 """
 from __future__ import annotations
 
-import math
 import numbers
 import os
 import time
@@ -39,6 +38,7 @@ from odt_ops.export import ModelDiff, apply_diff
 from odt_ops.federated.encoding import ENCODINGS, EncodedDiff, check_encoding, clip_update, encode_diff, fingerprint
 from odt_ops.federated.proximal import ProximalTerm
 from odt_ops.ir.load import read_model
+from odt_ops.scalars import as_real, finite_at_least_zero
 
 UPDATE_KINDS = ("diff", "arrays")
 
@@ -82,14 +82,10 @@ class RoundConfig:
             if v is None and optional:
                 return
             want = "a finite number " + ("> 0" if positive else ">= 0") + (" or None" if optional else "")
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            f = as_real(v)
+            if f is None:
                 wrong_type.append(f"{name}={v!r} is {type(v).__name__}, expected {want}")
-                return
-            try:
-                f = float(v)
-            except OverflowError:  # an int past float64's range
-                f = math.inf
-            if not (math.isfinite(f) and (f > 0 if positive else f >= 0)):
+            elif not finite_at_least_zero(f, positive=positive):
                 problems.append(f"{name}={v!r} (expected {want})")
             else:
                 object.__setattr__(self, name, f)
